@@ -1,0 +1,85 @@
+"""Containment: no exception from stagetrace's own code may reach the application (principle 3)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+logger = logging.getLogger("stagetrace")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class RateLimitedLog:
+    """At most ``per_interval`` records per ``interval_s`` for one key; the rest are counted and summarised,
+    so an error on every request costs a counter increment, not a log line."""
+
+    def __init__(self, per_interval: int = 5, interval_s: float = 60.0) -> None:
+        self._per_interval = per_interval
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._windows: dict[str, list[float | int]] = {}  # key -> [window_start, emitted, suppressed]
+
+    def allow(self, key: str) -> tuple[bool, int]:
+        """Returns (emit now?, records suppressed in the window that just closed)."""
+        now = time.monotonic()
+        with self._lock:
+            w = self._windows.get(key)
+            if w is None or now - w[0] >= self._interval_s:
+                suppressed = int(w[2]) if w else 0
+                self._windows[key] = [now, 1, 0]
+                return True, suppressed
+            if w[1] < self._per_interval:
+                w[1] += 1
+                return True, 0
+            w[2] += 1
+            return False, 0
+
+    def log(self, level: int, key: str, msg: str, *args: Any, exc_info: bool = False) -> None:
+        emit, suppressed = self.allow(key)
+        if not emit:
+            return
+        if suppressed:
+            msg = msg + f" ({suppressed} similar messages suppressed)"
+        logger.log(level, msg, *args, exc_info=exc_info)
+
+
+internal_errors = RateLimitedLog()
+
+
+def report_internal_error(where: str) -> None:
+    internal_errors.log(logging.ERROR, where, "stagetrace internal error in %s (contained)", where, exc_info=True)
+
+
+def guarded(where: str, default: Any = None) -> Callable[[F], F]:
+    """Decorator for SDK hooks and background work: log (rate-limited) and return ``default`` on error."""
+
+    def deco(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except Exception:
+                report_internal_error(where)
+                return default
+
+        return wrapper  # type: ignore[return-value]
+
+    return deco
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(key: str, msg: str, *args: Any) -> None:
+    """One warning per process for a feature that switched itself off (principle 3)."""
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    logger.warning(msg, *args)

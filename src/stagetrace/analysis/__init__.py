@@ -1,0 +1,24 @@
+"""Pure analysis: stage samples in, breakdown / bottleneck / diagnoses out. No I/O, no threads, no clocks,
+so the in-process finalizer and `stagetrace report` share one implementation and tests need no fixtures."""
+
+from stagetrace.analysis.breakdown import TraceAnalysis, analyse_trace, union_length_ns
+from stagetrace.analysis.diagnosis import (
+    Diagnosis,
+    DiagnosisThresholds,
+    TraceSignals,
+    diagnose,
+)
+from stagetrace.analysis.model import StageSample, Verdict, build_verdict
+
+__all__ = [
+    "Diagnosis",
+    "DiagnosisThresholds",
+    "StageSample",
+    "TraceAnalysis",
+    "TraceSignals",
+    "Verdict",
+    "analyse_trace",
+    "build_verdict",
+    "diagnose",
+    "union_length_ns",
+]

@@ -1,0 +1,250 @@
+"""Diagnosis rules (DESIGN.md, "Diagnosis rules"): a trace's analysis and signals in, codes with a message
+and advice out. Each rule is a small pure function so that it can be tested, tuned and explained alone."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from stagetrace.analysis.breakdown import TraceAnalysis
+from stagetrace.analysis.model import StageSample
+from stagetrace.conventions import GPU_KINDS
+
+
+@dataclass(frozen=True, slots=True)
+class Diagnosis:
+    code: str
+    message: str
+    advice: str
+    stage: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DiagnosisThresholds:
+    """Every number a rule compares against; override any of them through ``configure(thresholds=...)``."""
+
+    min_stage_ms: float = 5.0  # stages shorter than this never trigger a per-stage rule
+    gpu_starved_utilization: float = 0.30
+    gpu_starved_cpu_share: float = 0.50
+    pageable_min_bytes: int = 64 * 1024
+    blocked_share: float = 0.40  # of a CPU stage's wall time
+    gil_pressure_ms: float = 2.0  # sampler wake-up lag (p50 over the request) meaning "GIL is contended"
+    runqueue_share: float = 0.30
+    event_loop_stage_ms: float = 20.0
+    event_loop_lag_ms: float = 50.0
+    queueing_ms: float = 10.0
+    queueing_share: float = 0.20
+    untracked_share: float = 0.50
+    untracked_min_ms: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSignals:
+    """Process-level signals over the trace's time window, joined in by the finalizer (None: not measured)."""
+
+    gpu_utilization: float | None = None
+    gil_pressure_ms: float | None = None
+    loop_lag_ms: float | None = None
+
+
+Rule = Callable[[TraceAnalysis, Sequence[StageSample], TraceSignals, DiagnosisThresholds], "Diagnosis | None"]
+
+CPU_SIDE_KINDS = frozenset({"cpu", "io", "wait"})
+
+ADVICE = {
+    "GPU_STARVED": (
+        "The GPU waits for the CPU side. Move decode/resize to the GPU (nvJPEG, torchvision.io.decode_jpeg "
+        "on cuda, DALI), prefetch on a worker pool, and batch requests so each launch does more work."
+    ),
+    "PAGEABLE_H2D": (
+        "Copy from pinned memory: tensor.pin_memory() or a reusable pinned staging buffer, then "
+        ".to(device, non_blocking=True). A pageable source makes the copy synchronous and slower."
+    ),
+    "GIL_CONTENTION": (
+        "Another Python thread holds the GIL. Move CPU-heavy Python to processes (ProcessPoolExecutor, "
+        "separate workers) or to libraries that release the GIL; avoid pure-Python loops beside the server."
+    ),
+    "LOCK_OR_IO_WAIT": (
+        "The stage was off-CPU while the GIL was free: it waited on a lock, a queue or I/O. Find what it "
+        "blocks on (py-spy dump during a slow request) and shorten the critical section or make it async."
+    ),
+    "CPU_OVERSUBSCRIBED": (
+        "Runnable threads outnumber cores. Use fewer threads than cores: cap torch.set_num_threads, "
+        "OMP_NUM_THREADS / MKL_NUM_THREADS, the worker count and the thread pool."
+    ),
+    "EVENT_LOOP_BLOCKED": (
+        "Blocking work ran on the asyncio event loop and stalled every other request. Declare the endpoint "
+        "with `def`, or offload with `await asyncio.to_thread(...)` / `run_in_threadpool`."
+    ),
+    "QUEUEING": (
+        "The request waited for a worker thread or a batch slot. Raise the limit (anyio thread limiter, "
+        "batch size), scale out, or shed load earlier."
+    ),
+    "UNTRACKED_TIME": (
+        "Most of the request's time is in no stage. Add stages (@stagetrace.stage) around the code between "
+        "the ones you have, or enable automatic stages for PIL, tokenizers and torch."
+    ),
+}
+
+
+def _make(code: str, message: str, stage: str | None = None) -> Diagnosis:
+    return Diagnosis(code=code, message=message, advice=ADVICE[code], stage=stage)
+
+
+def _cpu_stages(stages: Sequence[StageSample], th: DiagnosisThresholds) -> list[StageSample]:
+    return [s for s in stages if s.kind == "cpu" and s.wall_ms >= th.min_stage_ms]
+
+
+def gpu_starved(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+    if sig.gpu_utilization is None or a.total_ms <= 0 or sig.gpu_utilization >= th.gpu_starved_utilization:
+        return None
+    cpu_ms = sum(ms for name, ms in a.breakdown.items() if a.stage_kinds.get(name) in CPU_SIDE_KINDS)
+    share = cpu_ms / a.total_ms
+    if share <= th.gpu_starved_cpu_share:
+        return None
+    return _make(
+        "GPU_STARVED",
+        f"GPU utilisation was {sig.gpu_utilization:.0%} while CPU-side stages held {share:.0%} of the "
+        f"{a.total_ms:.1f} ms request",
+        a.bottleneck if a.stage_kinds.get(a.bottleneck or "") in CPU_SIDE_KINDS else None,
+    )
+
+
+def pageable_h2d(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+    # Only real device copies count (CUDA-timed): on a CPU-only run "pinned" has no consequence.
+    hits = [
+        s
+        for s in stages
+        if s.kind == "h2d"
+        and s.h2d_pinned is False
+        and s.gpu_ms is not None
+        and (s.h2d_bytes or 0) >= th.pageable_min_bytes
+    ]
+    if not hits:
+        return None
+    worst = max(hits, key=lambda s: s.h2d_bytes or 0)
+    return _make(
+        "PAGEABLE_H2D",
+        f"{len(hits)} host-to-device cop{'y' if len(hits) == 1 else 'ies'} from pageable memory "
+        f"({(worst.h2d_bytes or 0) / 2**20:.1f} MiB in '{worst.name}')",
+        worst.name,
+    )
+
+
+def _blocked_stage(stages: Sequence[StageSample], th: DiagnosisThresholds) -> StageSample | None:
+    candidates = [
+        s for s in _cpu_stages(stages, th) if s.blocked_ms is not None and s.blocked_ms >= th.blocked_share * s.wall_ms
+    ]
+    return max(candidates, key=lambda s: s.blocked_ms or 0.0) if candidates else None
+
+
+def gil_contention(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+    s = _blocked_stage(stages, th)
+    if s is None or sig.gil_pressure_ms is None or sig.gil_pressure_ms < th.gil_pressure_ms:
+        return None
+    return _make(
+        "GIL_CONTENTION",
+        f"'{s.name}' was blocked {s.blocked_ms:.1f} ms of its {s.wall_ms:.1f} ms while the GIL was contended "
+        f"(sampler wake-up lag {sig.gil_pressure_ms:.1f} ms)",
+        s.name,
+    )
+
+
+def lock_or_io_wait(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+    s = _blocked_stage(stages, th)
+    if s is None or (sig.gil_pressure_ms is not None and sig.gil_pressure_ms >= th.gil_pressure_ms):
+        return None
+    return _make(
+        "LOCK_OR_IO_WAIT",
+        f"'{s.name}' was off-CPU {s.blocked_ms:.1f} ms of its {s.wall_ms:.1f} ms with the GIL free: "
+        "a lock, queue or I/O wait",
+        s.name,
+    )
+
+
+def cpu_oversubscribed(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+    hits = [
+        s
+        for s in _cpu_stages(stages, th)
+        if s.runqueue_ms is not None and s.runqueue_ms >= th.runqueue_share * s.wall_ms
+    ]
+    if not hits:
+        return None
+    s = max(hits, key=lambda s: s.runqueue_ms or 0.0)
+    return _make(
+        "CPU_OVERSUBSCRIBED",
+        f"'{s.name}' waited {s.runqueue_ms:.1f} ms of its {s.wall_ms:.1f} ms for a CPU (run queue)",
+        s.name,
+    )
+
+
+def event_loop_blocked(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+    on_loop = [s for s in stages if s.on_event_loop and s.kind not in GPU_KINDS and s.wall_ms >= th.event_loop_stage_ms]
+    if on_loop:
+        s = max(on_loop, key=lambda s: s.wall_ms)
+        return _make(
+            "EVENT_LOOP_BLOCKED",
+            f"sync stage '{s.name}' ran {s.wall_ms:.1f} ms on the event-loop thread",
+            s.name,
+        )
+    if sig.loop_lag_ms is not None and sig.loop_lag_ms >= th.event_loop_lag_ms:
+        return _make("EVENT_LOOP_BLOCKED", f"event-loop lag reached {sig.loop_lag_ms:.1f} ms during the request")
+    return None
+
+
+def queueing(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+    wait_ms = sum(ms for name, ms in a.breakdown.items() if a.stage_kinds.get(name) == "wait")
+    if wait_ms < th.queueing_ms or a.total_ms <= 0 or wait_ms < th.queueing_share * a.total_ms:
+        return None
+    names = [n for n, k in a.stage_kinds.items() if k == "wait"]
+    return _make(
+        "QUEUEING",
+        f"the request queued {wait_ms:.1f} ms ({wait_ms / a.total_ms:.0%}) in {', '.join(names)}",
+        max(names, key=lambda n: a.breakdown.get(n, 0.0)) if names else None,
+    )
+
+
+def untracked_time(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+    if not a.breakdown or a.total_ms <= 0:
+        return None
+    share = a.untracked_ms / a.total_ms
+    if share < th.untracked_share or a.untracked_ms < th.untracked_min_ms:
+        return None
+    return _make("UNTRACKED_TIME", f"{a.untracked_ms:.1f} ms ({share:.0%}) of the request is in no stage")
+
+
+RULES: tuple[tuple[str, Rule], ...] = (
+    ("GPU_STARVED", gpu_starved),
+    ("PAGEABLE_H2D", pageable_h2d),
+    ("GIL_CONTENTION", gil_contention),
+    ("LOCK_OR_IO_WAIT", lock_or_io_wait),
+    ("CPU_OVERSUBSCRIBED", cpu_oversubscribed),
+    ("EVENT_LOOP_BLOCKED", event_loop_blocked),
+    ("QUEUEING", queueing),
+    ("UNTRACKED_TIME", untracked_time),
+)
+RULE_CODES = tuple(code for code, _ in RULES)
+
+
+def diagnose(
+    analysis: TraceAnalysis,
+    stages: Sequence[StageSample],
+    signals: TraceSignals = TraceSignals(),
+    thresholds: DiagnosisThresholds = DiagnosisThresholds(),
+) -> tuple[Diagnosis, ...]:
+    """Run every rule; at most one diagnosis per code, in the order of ``RULES``.
+
+    Stages that started after the root ended (background work) are not the request's problem and are
+    left out, matching the breakdown.
+    """
+    in_request = (
+        [s for s, charged in zip(stages, analysis.charged_ms) if charged is not None]
+        if (len(analysis.charged_ms) == len(stages))
+        else list(stages)
+    )
+    found = []
+    for _code, rule in RULES:
+        d = rule(analysis, in_request, signals, thresholds)
+        if d is not None:
+            found.append(d)
+    return tuple(found)

@@ -1,0 +1,2 @@
+"""Hot-path capture: what runs on the request thread. Only timestamps and ids here (principle 1); spans are
+built later by the finalizer."""

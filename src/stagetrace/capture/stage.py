@@ -1,0 +1,322 @@
+"""``stage()`` and ``pipeline()``: the only stagetrace code on the request path.
+
+A stage entry allocates a span id, makes a non-recording span with that id the current span (so spans
+that other instrumentations open inside the stage become its children) and takes timestamps. Nothing else:
+the span itself is built later, off-thread, by the finalizer (DESIGN principle 1).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from opentelemetry.context import Context, attach, create_key, detach, get_current
+from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, set_span_in_context
+from opentelemetry.trace.propagation import _SPAN_KEY
+
+from stagetrace import _state
+from stagetrace._safety import logger, report_internal_error, warn_once
+from stagetrace.capture.records import StageRecord
+from stagetrace.conventions import STAGE_KINDS
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_STAGE_KEY = create_key("stagetrace-stage")
+_ROOT_KEY = create_key("stagetrace-root")
+MAX_NAME_LENGTH = 128
+
+_perf_ns = time.perf_counter_ns
+
+
+def validate_stage_name(name: object) -> str:
+    """A clear error for what cannot be a name; sanitising for what merely should not be one.
+
+    Names become span names and metric attribute values, so control characters are replaced and overlong
+    names are cut rather than rejected: a dynamic name must never break a request.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"stage name must be a str, got {type(name).__name__}")
+    cleaned = "".join(ch if ch.isprintable() else "?" for ch in name).strip()
+    if not cleaned:
+        raise ValueError("stage name must be a non-empty string")
+    if len(cleaned) > MAX_NAME_LENGTH:
+        warn_once(f"long-name:{cleaned[:32]}", "stagetrace: stage name cut to %d characters", MAX_NAME_LENGTH)
+        cleaned = cleaned[:MAX_NAME_LENGTH]
+    return cleaned
+
+
+def validate_kind(kind: object) -> str:
+    if kind not in STAGE_KINDS:
+        raise ValueError(f"stage kind must be one of {', '.join(STAGE_KINDS)}; got {kind!r}")
+    return kind  # type: ignore[return-value]
+
+
+def describe_exception(exc: BaseException) -> tuple[str, str, str]:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return type(exc).__qualname__, str(exc)[:1024], tb[-8192:]
+
+
+class _ActiveRoot:
+    """A local root that stagetrace opened (``pipeline()`` or a stage outside any trace)."""
+
+    __slots__ = ("owner", "span", "token")
+
+    def __init__(self, owner: Any, span: Any) -> None:
+        self.owner = owner
+        self.span = span
+        self.token: Any = None
+
+
+def _open_root(rt: Any, name: str, owner: Any) -> _ActiveRoot | None:
+    span = rt.tracer.start_span(name)
+    active = _ActiveRoot(owner, span)
+    ctx = set_span_in_context(span)
+    values = dict(ctx)
+    values[_ROOT_KEY] = active
+    active.token = attach(Context(values))
+    return active
+
+
+def _close_root(active: _ActiveRoot, exc: BaseException | None) -> None:
+    try:
+        detach(active.token)
+        if exc is not None and active.span.is_recording():
+            active.span.record_exception(exc)
+            active.span.set_status(Status(StatusCode.ERROR, f"{type(exc).__qualname__}: {exc}"[:256]))
+        active.span.end()
+    except Exception:
+        report_internal_error("pipeline exit")
+
+
+def enter_stage(name: str, kind: str, owner: Any = None) -> StageRecord | None:
+    rt = _state.runtime
+    if rt is None:
+        return None
+    try:
+        ctx = get_current()
+        span = ctx.get(_SPAN_KEY)
+        sc = span.get_span_context() if span is not None else None
+        implicit = None
+        if sc is None or not sc.is_valid:
+            # Outside any trace: the stage opens its own local root, so it still shows up with a verdict.
+            implicit = _open_root(rt, name, None)
+            ctx = get_current()
+            sc = implicit.span.get_span_context()
+        trace_id = sc.trace_id
+        trace = rt.registry.get(trace_id)
+        parent = ctx.get(_STAGE_KEY)
+        rec = StageRecord(
+            name,
+            kind,
+            rt,
+            trace,
+            trace_id,
+            rt.new_span_id(),
+            sc.span_id,
+            parent.span_id if parent is not None and parent.trace_id == trace_id else 0,
+        )
+        if trace is None:
+            # A trace whose root stagetrace does not track: the stage is exported on its own.
+            rec.perf_to_epoch_ns = time.time_ns() - _perf_ns()
+            rec.trace_flags = sc.trace_flags
+            rec.trace_state = sc.trace_state
+        rec.owner = owner
+        rec.implicit_root = implicit
+        values = dict(ctx)
+        values[_SPAN_KEY] = NonRecordingSpan(SpanContext(trace_id, rec.span_id, False, sc.trace_flags, sc.trace_state))
+        values[_STAGE_KEY] = rec
+        signals = rt.cpu_signals
+        if signals is not None:
+            signals.on_enter(rec)
+        rec.token = attach(Context(values))
+        rec.start_ns = _perf_ns()
+        return rec
+    except Exception:
+        report_internal_error("stage entry")
+        return None
+
+
+def exit_stage(rec: StageRecord | None, exc: BaseException | None) -> None:
+    if rec is None:
+        return
+    end = _perf_ns()
+    try:
+        rec.end_ns = end
+        rt = rec.runtime
+        detach(rec.token)
+        if rt.cpu_signals is not None:
+            rt.cpu_signals.on_exit(rec)
+        if exc is not None:
+            rec.error = describe_exception(exc)
+        trace = rec.trace
+        if trace is not None:
+            with trace.lock:
+                if not trace.closed:
+                    if len(trace.stages) < rt.max_stages_per_trace:
+                        trace.stages.append(rec)
+                    else:
+                        trace.dropped_stages += 1
+                    trace = None
+        if trace is not None or rec.trace is None:
+            rt.finalizer.submit_lone_stage(rec)  # after the root ended (background work), or untracked
+        if rec.implicit_root is not None:
+            _close_root(rec.implicit_root, exc)
+    except Exception:
+        report_internal_error("stage exit")
+
+
+class Stage:
+    """What ``stagetrace.stage()`` returns: a decorator and a (sync or async) context manager."""
+
+    __slots__ = ("kind", "name")
+
+    def __init__(self, name: str | None, kind: str) -> None:
+        self.name = None if name is None else validate_stage_name(name)
+        self.kind = validate_kind(kind)
+
+    # --- context manager -----------------------------------------------------------------------------
+    def __enter__(self) -> StageRecord | _NullStage:
+        if self.name is None:
+            raise ValueError("stagetrace.stage() needs a name when used as a context manager")
+        return enter_stage(self.name, self.kind, self) or NULL_STAGE
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if _state.runtime is None and exc is None:
+            return
+        rec = get_current().get(_STAGE_KEY)
+        if rec is not None and rec.owner is self and not rec.end_ns:
+            exit_stage(rec, exc)
+
+    async def __aenter__(self) -> StageRecord | _NullStage:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+    # --- decorator -----------------------------------------------------------------------------------
+    def __call__(self, fn: F) -> F:
+        if not callable(fn):
+            raise TypeError(f"stagetrace.stage() decorates a function, got {type(fn).__name__}")
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            raise TypeError(
+                f"stagetrace.stage() cannot decorate the generator {fn.__qualname__}: it would time only the "
+                "generator's creation. Use `with stagetrace.stage(...)` inside it instead."
+            )
+        name = self.name or validate_stage_name(getattr(fn, "__name__", "stage"))
+        kind = self.kind
+
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                rec = enter_stage(name, kind)
+                try:
+                    result = await fn(*args, **kwargs)
+                except BaseException as e:
+                    exit_stage(rec, e)
+                    raise
+                exit_stage(rec, None)
+                return result
+
+            return async_wrapper  # type: ignore[return-value]
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            rec = enter_stage(name, kind)
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:
+                exit_stage(rec, e)
+                raise
+            exit_stage(rec, None)
+            return result
+
+        return wrapper  # type: ignore[return-value]
+
+
+class _NullStage:
+    """Returned by ``with stage(...)`` when stagetrace is off, so ``s.set_attribute`` always works."""
+
+    __slots__ = ()
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        return None
+
+
+NULL_STAGE = _NullStage()
+
+
+def stage(name: str | Callable[..., Any] | None = None, kind: str = "cpu") -> Any:
+    """Time a pipeline stage as a child span of the current trace.
+
+    Works as ``@stage``, ``@stage("decode")``, ``with stage("decode"):`` and ``async with``. The name
+    defaults to the decorated function's name; ``kind`` is one of cpu, io, wait, h2d, gpu, d2h.
+    """
+    if callable(name) and not isinstance(name, str):
+        return Stage(None, kind)(name)
+    return Stage(name, kind)
+
+
+class Pipeline:
+    """What ``stagetrace.pipeline()`` returns: a local root for code that has no server span."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = validate_stage_name(name)
+
+    def __enter__(self) -> Pipeline:
+        rt = _state.runtime
+        if rt is not None:
+            try:
+                _open_root(rt, self.name, self)
+            except Exception:
+                report_internal_error("pipeline entry")
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        active = get_current().get(_ROOT_KEY)
+        if active is not None and active.owner is self:
+            _close_root(active, exc)
+
+    async def __aenter__(self) -> Pipeline:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+    def __call__(self, fn: F) -> F:
+        name = self.name
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                async with Pipeline(name):
+                    return await fn(*args, **kwargs)
+
+            return async_wrapper  # type: ignore[return-value]
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with Pipeline(name):
+                return fn(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+
+def pipeline(name: str) -> Pipeline:
+    """A local root (and verdict) for batch jobs and plain PyTorch loops; inside an existing trace it is
+    an ordinary child span and the verdict stays on the trace's local root."""
+    return Pipeline(name)
+
+
+def current_stage() -> StageRecord | None:
+    """The innermost open stage of the current context, for integrations that add attributes to it."""
+    return get_current().get(_STAGE_KEY)
+
+
+__all__ = ["Pipeline", "Stage", "current_stage", "logger", "pipeline", "stage"]

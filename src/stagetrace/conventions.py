@@ -1,0 +1,60 @@
+"""Attribute, metric and event names: the contract that dashboards, collector configs and users' queries
+rely on (DESIGN.md, "Contract"). Change a name here only with a deprecation path."""
+
+from __future__ import annotations
+
+# --- stage span attributes -------------------------------------------------------------------------------
+STAGE = "stagetrace.stage"
+STAGE_KIND = "stagetrace.stage.kind"
+CPU_MS = "stagetrace.cpu_ms"
+BLOCKED_MS = "stagetrace.blocked_ms"
+RUNQUEUE_MS = "stagetrace.runqueue_ms"
+ON_EVENT_LOOP = "stagetrace.on_event_loop"
+GPU_DURATION_MS = "stagetrace.gpu.duration_ms"
+GPU_UTILIZATION = "stagetrace.gpu.utilization"
+GPU_UTILIZATION_MIN = "stagetrace.gpu.utilization.min"
+GPU_UTILIZATION_MAX = "stagetrace.gpu.utilization.max"
+GPU_MEMORY_USED = "stagetrace.gpu.memory.used_bytes"
+H2D_BYTES = "stagetrace.h2d.bytes"
+H2D_PINNED = "stagetrace.h2d.pinned"
+HOST_DURATION_MS = "stagetrace.host.duration_ms"
+LATE = "stagetrace.late"
+
+# --- verdict attributes, on the trace's local root span --------------------------------------------------
+TOTAL_MS = "stagetrace.total_ms"
+BOTTLENECK_STAGE = "stagetrace.bottleneck.stage"
+BOTTLENECK_RATIO = "stagetrace.bottleneck.ratio"
+SLOW = "stagetrace.slow"
+SLOW_THRESHOLD_MS = "stagetrace.slow_threshold_ms"
+UNTRACKED_MS = "stagetrace.untracked_ms"
+STAGES = "stagetrace.stages"
+STAGES_MS = "stagetrace.stages_ms"
+DIAGNOSIS = "stagetrace.diagnosis"
+# GPU_UTILIZATION is reused on the root for the mean over the trace.
+
+# --- span events -----------------------------------------------------------------------------------------
+DIAGNOSIS_EVENT = "stagetrace.diagnosis"
+DIAGNOSIS_EVENT_CODE = "stagetrace.diagnosis.code"
+DIAGNOSIS_EVENT_MESSAGE = "stagetrace.diagnosis.message"
+DIAGNOSIS_EVENT_ADVICE = "stagetrace.diagnosis.advice"
+DIAGNOSIS_EVENT_STAGE = "stagetrace.diagnosis.stage"
+
+# --- metrics (OpenTelemetry names; Prometheus adds unit and _total suffixes) -----------------------------
+METRIC_STAGE_DURATION = "stagetrace.stage.duration"
+METRIC_TRACE_DURATION = "stagetrace.trace.duration"
+METRIC_BOTTLENECK = "stagetrace.bottleneck"
+METRIC_DIAGNOSIS = "stagetrace.diagnosis"
+METRIC_GPU_UTILIZATION = "stagetrace.gpu.utilization"
+METRIC_DROPPED = "stagetrace.dropped"
+
+# metric attribute keys beyond the span ones
+HTTP_ROUTE = "http.route"
+DIAGNOSIS_CODE = "code"
+DROP_REASON = "reason"
+HW_ID = "hw.id"
+
+# Stage kinds, in the order DESIGN lists them.
+STAGE_KINDS = ("cpu", "io", "wait", "h2d", "gpu", "d2h")
+GPU_KINDS = frozenset({"h2d", "gpu", "d2h"})
+
+INSTRUMENTATION_NAME = "stagetrace"

@@ -1,0 +1,315 @@
+"""The finalizer: one background thread per process that turns finished traces into verdicts and spans.
+
+Everything expensive happens here, off the request thread: waiting (without synchronising) for GPU events,
+joining NVML samples, analysis, diagnosis, span materialisation, metrics, the slow-trace log line and the
+``on_verdict`` callbacks. Its queue is bounded; when it is full the trace's root is exported unchanged and
+the drop is counted, so nothing is lost but the verdict.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.trace import format_trace_id
+
+from stagetrace import conventions as c
+from stagetrace._safety import RateLimitedLog, logger, report_internal_error
+from stagetrace.analysis import (
+    StageSample,
+    TraceSignals,
+    Verdict,
+    analyse_trace,
+    build_verdict,
+    diagnose,
+)
+from stagetrace.capture.records import StageRecord, TraceRecord
+from stagetrace.finalize import materialize as mat
+from stagetrace.finalize.metrics import StagetraceMetrics, exemplar_context
+from stagetrace.settings import Settings
+
+_STOP = object()
+
+
+class Finalizer:
+    """``gpu_timer`` (optional) resolves CUDA events: ``ready(rec)`` says whether a stage's events completed
+    (never blocking) and ``resolve(rec, perf_to_epoch_ns)`` returns its GPU fields. ``signals(trace, root)``
+    (optional) returns the process-level ``TraceSignals`` for the trace's window."""
+
+    def __init__(
+        self,
+        *,
+        downstream: SpanProcessor,
+        metrics: StagetraceMetrics,
+        settings: Settings,
+        resource: Any,
+        registry: Any,
+        on_verdict: Sequence[Callable[[Verdict], Any]] = (),
+        gpu_timer: Any = None,
+        signals: Callable[[TraceRecord, ReadableSpan], TraceSignals] | None = None,
+    ) -> None:
+        self.downstream = downstream
+        self.metrics = metrics
+        self.settings = settings
+        self.resource = resource
+        self.registry = registry
+        self.on_verdict = list(on_verdict)
+        self.gpu_timer = gpu_timer
+        self.signals = signals
+        self._slow_log = RateLimitedLog(per_interval=settings.slow_log_per_minute, interval_s=60.0)
+        self._init_state()
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (lambda f: f and f._after_fork())(ref()))
+
+    def _init_state(self) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=self.settings.queue_size)
+        self._parked: list[tuple[float, Any]] = []  # items waiting for GPU events to complete
+        self._pending = 0
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        self._stopped = False
+        self._last_sweep = time.monotonic()
+
+    def _after_fork(self) -> None:
+        # In-flight traces of the parent mean nothing in the child; its thread did not survive the fork.
+        self._init_state()
+        self.registry.clear()
+
+    # --- submission (request threads) ----------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        if self._thread is None or self._pid != os.getpid():
+            with self._cond:
+                if self._thread is None or self._pid != os.getpid():
+                    if self._pid != os.getpid():
+                        self._init_state()
+                    self._thread = threading.Thread(target=self._run, name="stagetrace-finalizer", daemon=True)
+                    self._thread.start()
+
+    def _submit(self, item: Any) -> bool:
+        if self._stopped:
+            return False
+        self._ensure_thread()
+        with self._cond:
+            self._pending += 1
+        try:
+            self._queue.put_nowait(item)
+            return True
+        except queue.Full:
+            self._done(1)
+            self.metrics.dropped("finalizer_queue_full")
+            return False
+
+    def submit_trace(self, trace: TraceRecord, root: ReadableSpan) -> bool:
+        """False: not accepted (queue full or stopped); the caller exports the root unchanged."""
+        return self._submit((trace, root))
+
+    def submit_lone_stage(self, rec: StageRecord) -> None:
+        if not self._submit(rec):
+            self.metrics.dropped("lone_stage")
+
+    # --- flush / shutdown ----------------------------------------------------------------------------
+    def _done(self, n: int = 1) -> None:
+        with self._cond:
+            self._pending -= n
+            if self._pending <= 0:
+                self._cond.notify_all()
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        if self._thread is None:
+            return True
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))
+        return True
+
+    def shutdown(self, timeout_s: float = 5.0) -> bool:
+        ok = self.flush(timeout_s)
+        self._stopped = True
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            try:
+                self._queue.put_nowait(_STOP)
+            except queue.Full:
+                pass
+            thread.join(timeout=max(0.1, timeout_s))
+        return ok
+
+    # --- the thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            timeout = 0.002 if self._parked else self.settings.sweep_interval_s
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                item = None
+            if item is _STOP:
+                self._drain_parked(force=True)
+                return
+            if item is not None:
+                self._handle(item)
+            if self._parked:
+                self._drain_parked(force=False)
+            now = time.monotonic()
+            if now - self._last_sweep >= self.settings.sweep_interval_s:
+                self._last_sweep = now
+                self._sweep()
+
+    def _sweep(self) -> None:
+        try:
+            self.registry.evict_expired()
+        except Exception:
+            report_internal_error("finalizer sweep")
+
+    def _handle(self, item: Any, force: bool = False) -> None:
+        try:
+            if not force and not self._gpu_ready(item):
+                self._parked.append((time.monotonic(), item))
+                return
+            if isinstance(item, StageRecord):
+                self._process_lone(item)
+            else:
+                self._process_trace(*item)
+        except Exception:
+            report_internal_error("finalizer")
+            if not isinstance(item, StageRecord):
+                self._forward(item[1])
+        self._done()
+
+    def _gpu_ready(self, item: Any) -> bool:
+        if self.gpu_timer is None:
+            return True
+        stages = [item] if isinstance(item, StageRecord) else item[0].stages
+        return all(self.gpu_timer.ready(s) for s in stages if s.gpu is not None)
+
+    def _drain_parked(self, force: bool) -> None:
+        now = time.monotonic()
+        still: list[tuple[float, Any]] = []
+        parked, self._parked = self._parked, []
+        for since, item in parked:
+            expired = now - since > self.settings.gpu_wait_timeout_s
+            if force or expired or self._gpu_ready(item):
+                if expired and not force:
+                    self.metrics.dropped("gpu_event_timeout")
+                self._handle(item, force=True)  # forced: never re-parks
+            else:
+                still.append((since, item))
+        self._parked = still
+
+    def _forward(self, span: ReadableSpan) -> None:
+        try:
+            self.downstream.on_end(span)
+        except Exception:
+            report_internal_error("export processor")
+
+    def _gpu_fields(self, rec: StageRecord, perf_to_epoch_ns: int) -> dict[str, Any] | None:
+        if rec.gpu is None or self.gpu_timer is None:
+            return None
+        return self.gpu_timer.resolve(rec, perf_to_epoch_ns)
+
+    def _process_trace(self, trace: TraceRecord, root: ReadableSpan) -> None:
+        with trace.lock:
+            trace.closed = True
+            stages = list(trace.stages)
+        offset = trace.perf_to_epoch_ns
+        samples = [mat.to_sample(r, offset, self._gpu_fields(r, offset)) for r in stages]
+        attrs = root.attributes or {}
+        route = attrs.get(c.HTTP_ROUTE)
+        route = route if isinstance(route, str) else None
+        analysis = analyse_trace(root.start_time or 0, root.end_time or 0, samples, self.settings.threshold_for(route))
+        signals = self.signals(trace, root) if self.signals is not None else TraceSignals()
+        verdict = build_verdict(
+            trace_id=format_trace_id(trace.trace_id),
+            root_name=root.name,
+            analysis=analysis,
+            diagnoses=diagnose(analysis, samples, signals, self.settings.thresholds),
+            route=route,
+            gpu_utilization=signals.gpu_utilization,
+            sampled=bool(root.context and root.context.trace_flags.sampled),
+        )
+        if verdict.sampled:
+            flags, state = root.context.trace_flags, root.context.trace_state
+            for rec, sample in zip(stages, samples):
+                self._forward(
+                    mat.stage_span(
+                        rec,
+                        sample,
+                        trace_flags=flags,
+                        trace_state=state,
+                        resource=root.resource,
+                        attributes=mat.stage_attributes(rec, sample),
+                    )
+                )
+        self._forward(mat.root_with_verdict(root, verdict))
+        self.metrics.record_trace(verdict, samples, analysis.charged_ms, exemplar_context(root.context))
+        if trace.dropped_stages:
+            self.metrics.dropped("stages_per_trace", trace.dropped_stages)
+        if verdict.slow:
+            self._log_slow(verdict)
+        self._notify(verdict)
+
+    def _process_lone(self, rec: StageRecord) -> None:
+        """A stage that ended after its trace's root (background work) or in a trace stagetrace does not
+        track: exported on its own, counted in the stage metric, not part of any verdict."""
+        trace = rec.trace
+        offset = trace.perf_to_epoch_ns if trace is not None else rec.perf_to_epoch_ns
+        sample = mat.to_sample(rec, offset, self._gpu_fields(rec, offset))
+        ms = sample.gpu_ms if (sample.kind in c.GPU_KINDS and sample.gpu_ms is not None) else sample.wall_ms
+        ctx = None
+        source = trace if trace is not None else rec  # untracked trace: flags were taken at stage entry
+        flags, state = source.trace_flags, source.trace_state
+        if flags is not None and flags.sampled:
+            extra = {c.LATE: True} if trace is not None else None
+            self._forward(
+                mat.stage_span(
+                    rec,
+                    sample,
+                    trace_flags=flags,
+                    trace_state=state,
+                    resource=self.resource,
+                    attributes=mat.stage_attributes(rec, sample, extra),
+                )
+            )
+        self.metrics.record_stage(rec.name, rec.kind, ms, None, ctx)
+
+    def _log_slow(self, v: Verdict) -> None:
+        where = f" {v.route}" if v.route else ""
+        bottleneck = (
+            f"bottleneck {v.bottleneck} {v.ratio:.0%} ({v.breakdown[v.bottleneck]:.1f} ms)"
+            if v.bottleneck
+            else "no stages recorded"
+        )
+        codes = f"; diagnosis {', '.join(v.diagnosis_codes)}" if v.diagnoses else ""
+        self._slow_log.log(
+            logging.WARNING,
+            "slow",
+            "stagetrace: slow trace %s%s %.1f ms > %.0f ms; %s%s; trace_id=%s",
+            v.root_name,
+            where,
+            v.total_ms,
+            v.slow_threshold_ms,
+            bottleneck,
+            codes,
+            v.trace_id,
+        )
+
+    def _notify(self, verdict: Verdict) -> None:
+        for callback in self.on_verdict:
+            try:
+                callback(verdict)
+            except Exception:
+                report_internal_error(f"on_verdict callback {getattr(callback, '__qualname__', callback)!r}")
+
+
+__all__ = ["Finalizer", "StageSample", "logger"]
