@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+import stagetrace
+from stagetrace.analysis import Verdict
+
+
+class Harness:
+    """A configured stagetrace with in-memory export, plus helpers to read what it produced."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.exporter = InMemorySpanExporter()
+        self.reader = InMemoryMetricReader()
+        self.verdicts: list[Verdict] = []
+        kwargs.setdefault("on_verdict", self.verdicts.append)
+        self.handle = stagetrace.configure(
+            "test-service", span_exporter=self.exporter, metric_reader=self.reader, set_global=False, **kwargs
+        )
+
+    @property
+    def tracer(self) -> Any:
+        return self.handle.tracer_provider.get_tracer("test")
+
+    def flush(self) -> None:
+        assert self.handle.force_flush(10)
+
+    def spans(self) -> list[Any]:
+        self.flush()
+        return list(self.exporter.get_finished_spans())
+
+    def by_name(self, name: str) -> list[Any]:
+        return [s for s in self.spans() if s.name == name]
+
+    def roots(self) -> list[Any]:
+        return [s for s in self.spans() if s.parent is None or s.parent.is_remote]
+
+    def metric_points(self, name: str) -> list[Any]:
+        self.flush()
+        data = self.reader.get_metrics_data()
+        points = []
+        for rm in data.resource_metrics if data else ():
+            for sm in rm.scope_metrics:
+                for m in sm.metrics:
+                    if m.name == name:
+                        points.extend(m.data.data_points)
+        return points
+
+    def wait_verdicts(self, n: int, timeout: float = 10.0) -> list[Verdict]:
+        deadline = time.monotonic() + timeout
+        while len(self.verdicts) < n and time.monotonic() < deadline:
+            self.handle.force_flush(1)
+            time.sleep(0.01)
+        return self.verdicts
+
+
+@pytest.fixture
+def harness() -> Iterator[Harness]:
+    h = Harness()
+    yield h
+    h.handle.shutdown()
+
+
+@pytest.fixture
+def make_harness() -> Iterator[Any]:
+    made: list[Harness] = []
+
+    def make(**kwargs: Any) -> Harness:
+        h = Harness(**kwargs)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.handle.shutdown()
+
+
+@pytest.fixture
+def otlp_receiver() -> Iterator[Any]:
+    from otlp_receiver import OtlpReceiver
+
+    r = OtlpReceiver().start()
+    yield r
+    r.stop()

@@ -1,0 +1,108 @@
+"""Each diagnosis rule fires on its own signature and stays quiet on a healthy trace."""
+
+from __future__ import annotations
+
+import pytest
+
+from stagetrace.analysis import DiagnosisThresholds, StageSample, TraceSignals, analyse_trace, diagnose
+from stagetrace.analysis.diagnosis import ADVICE, RULE_CODES
+
+MS = 1_000_000
+
+
+def run(stages, total_ms=100, signals=TraceSignals(), thresholds=DiagnosisThresholds()):
+    a = analyse_trace(0, int(total_ms * MS), stages, 200)
+    return {d.code: d for d in diagnose(a, stages, signals, thresholds)}
+
+
+def cpu(name, start, end, **kw):
+    return StageSample(name, kw.pop("kind", "cpu"), int(start * MS), int(end * MS), **kw)
+
+
+HEALTHY = [cpu("decode", 0, 30, cpu_ms=29, blocked_ms=0.5, runqueue_ms=0.5), cpu("post", 30, 95, cpu_ms=64)]
+
+
+def test_healthy_trace_fires_nothing():
+    assert run(HEALTHY, signals=TraceSignals(gpu_utilization=0.9, gil_pressure_ms=0.1, loop_lag_ms=1)) == {}
+
+
+def test_every_rule_has_advice():
+    assert set(ADVICE) == set(RULE_CODES)
+
+
+def test_gpu_starved_needs_low_utilisation_and_cpu_majority():
+    stages = [cpu("decode", 0, 80), StageSample("infer", "gpu", 80 * MS, 90 * MS, gpu_ms=10)]
+    found = run(stages, signals=TraceSignals(gpu_utilization=0.12))
+    assert "GPU_STARVED" in found and found["GPU_STARVED"].stage == "decode"
+    assert "GPU_STARVED" not in run(stages, signals=TraceSignals(gpu_utilization=0.8))
+    assert "GPU_STARVED" not in run(stages)  # no NVML: no claim
+
+
+def test_pageable_h2d_only_for_real_device_copies():
+    pageable = StageSample("h2d", "h2d", 0, 5 * MS, gpu_ms=4.0, h2d_bytes=4 << 20, h2d_pinned=False)
+    assert "PAGEABLE_H2D" in run([pageable])
+    pinned = StageSample("h2d", "h2d", 0, 5 * MS, gpu_ms=1.0, h2d_bytes=4 << 20, h2d_pinned=True)
+    assert "PAGEABLE_H2D" not in run([pinned])
+    cpu_only = StageSample("h2d", "h2d", 0, 5 * MS, gpu_ms=None, h2d_bytes=4 << 20, h2d_pinned=False)
+    assert "PAGEABLE_H2D" not in run([cpu_only])
+
+
+def test_blocked_stage_is_gil_contention_or_lock_wait_by_gil_pressure():
+    blocked = [cpu("tokenize", 0, 50, cpu_ms=10, blocked_ms=38, runqueue_ms=2)]
+    gil = run(blocked, signals=TraceSignals(gil_pressure_ms=6.5))
+    assert "GIL_CONTENTION" in gil and "LOCK_OR_IO_WAIT" not in gil
+    lock = run(blocked, signals=TraceSignals(gil_pressure_ms=0.1))
+    assert "LOCK_OR_IO_WAIT" in lock and "GIL_CONTENTION" not in lock
+    assert lock["LOCK_OR_IO_WAIT"].stage == "tokenize"
+
+
+def test_short_stages_never_trigger_per_stage_rules():
+    tiny = [cpu("tiny", 0, 2, cpu_ms=0.1, blocked_ms=1.9, runqueue_ms=1.5)]
+    assert run(tiny, total_ms=3, signals=TraceSignals(gil_pressure_ms=9)) == {}
+
+
+def test_cpu_oversubscribed_from_runqueue_share():
+    assert "CPU_OVERSUBSCRIBED" in run([cpu("resize", 0, 40, cpu_ms=20, blocked_ms=2, runqueue_ms=18)])
+
+
+def test_event_loop_blocked_by_sync_stage_on_loop_or_by_lag():
+    assert "EVENT_LOOP_BLOCKED" in run([cpu("decode", 0, 40, on_event_loop=True)])
+    assert "EVENT_LOOP_BLOCKED" not in run([cpu("decode", 0, 10, on_event_loop=True)])
+    assert "EVENT_LOOP_BLOCKED" in run(HEALTHY, signals=TraceSignals(loop_lag_ms=120))
+
+
+def test_queueing_from_wait_stages():
+    found = run([cpu("threadpool.wait", 0, 40, kind="wait"), cpu("work", 40, 100)])
+    assert found["QUEUEING"].stage == "threadpool.wait"
+    assert "QUEUEING" not in run([cpu("threadpool.wait", 0, 2, kind="wait"), cpu("work", 2, 100)])
+
+
+def test_untracked_time_needs_stages_and_a_large_share():
+    assert "UNTRACKED_TIME" in run([cpu("decode", 0, 20)])
+    assert "UNTRACKED_TIME" not in run([])  # a trace with no stages is not a stagetrace pipeline
+
+
+def test_thresholds_are_configurable():
+    stages = [cpu("decode", 0, 20)]
+    assert "UNTRACKED_TIME" not in run(stages, thresholds=DiagnosisThresholds(untracked_share=0.9))
+
+
+@pytest.mark.parametrize("code", RULE_CODES)
+def test_diagnosis_message_is_specific(code):
+    signatures = {
+        "GPU_STARVED": ([cpu("decode", 0, 80)], TraceSignals(gpu_utilization=0.1)),
+        "PAGEABLE_H2D": (
+            [StageSample("h2d", "h2d", 0, MS, gpu_ms=1, h2d_bytes=1 << 20, h2d_pinned=False)],
+            TraceSignals(),
+        ),
+        "GIL_CONTENTION": ([cpu("t", 0, 50, blocked_ms=40)], TraceSignals(gil_pressure_ms=5)),
+        "LOCK_OR_IO_WAIT": ([cpu("t", 0, 50, blocked_ms=40)], TraceSignals(gil_pressure_ms=0.1)),
+        "CPU_OVERSUBSCRIBED": ([cpu("t", 0, 50, runqueue_ms=30)], TraceSignals()),
+        "EVENT_LOOP_BLOCKED": ([cpu("t", 0, 50, on_event_loop=True)], TraceSignals()),
+        "QUEUEING": ([cpu("q", 0, 50, kind="wait")], TraceSignals()),
+        "UNTRACKED_TIME": ([cpu("t", 0, 5)], TraceSignals()),
+    }
+    stages, sig = signatures[code]
+    d = run(stages, signals=sig)[code]
+    assert any(ch.isdigit() for ch in d.message)
+    assert d.advice == ADVICE[code]
