@@ -100,7 +100,9 @@ def traces(draw):
         parent = draw(st.integers(0, i)) if i and draw(st.booleans()) else 0
         kind = draw(st.sampled_from(["cpu", "io", "wait", "gpu", "h2d", "d2h"]))
         gpu = draw(st.one_of(st.none(), st.floats(0, 50, allow_nan=False)))
-        stages.append(StageSample(draw(st.sampled_from("abcde")), kind, a * MS // 1000, b * MS // 1000, i + 1, parent, gpu))
+        stages.append(
+            StageSample(draw(st.sampled_from("abcde")), kind, a * MS // 1000, b * MS // 1000, i + 1, parent, gpu)
+        )
     return root, stages
 
 

@@ -238,9 +238,10 @@ def test_reused_stage_object_in_nested_with(harness):
         pass
     spans = harness.by_name("again")
     assert len(spans) == 2
-    assert {sp.parent.span_id for sp in spans} == {harness.by_name("p")[0].context.span_id, spans[0].context.span_id} or {
-        sp.parent.span_id for sp in spans
-    } == {harness.by_name("p")[0].context.span_id, spans[1].context.span_id}
+    assert {sp.parent.span_id for sp in spans} == {
+        harness.by_name("p")[0].context.span_id,
+        spans[0].context.span_id,
+    } or {sp.parent.span_id for sp in spans} == {harness.by_name("p")[0].context.span_id, spans[1].context.span_id}
 
 
 def test_pipeline_inside_a_trace_is_a_plain_child(harness):

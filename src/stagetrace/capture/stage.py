@@ -40,7 +40,7 @@ def validate_stage_name(name: object) -> str:
     """
     if not isinstance(name, str):
         raise TypeError(f"stage name must be a str, got {type(name).__name__}")
-    cleaned = "".join(ch if ch.isprintable() else "?" for ch in name).strip()
+    cleaned = "".join(ch if ch.isprintable() else "?" for ch in name.strip())
     if not cleaned:
         raise ValueError("stage name must be a non-empty string")
     if len(cleaned) > MAX_NAME_LENGTH:

@@ -1,0 +1,231 @@
+"""Bounded memory (principle 4) and bad input (clear error or contained, never a crash later)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import stagetrace
+from stagetrace import conventions as c
+from stagetrace.capture.registry import TraceRegistry
+from stagetrace.settings import Settings
+
+
+def dropped(h, reason):
+    return sum(p.value for p in h.metric_points(c.METRIC_DROPPED) if p.attributes[c.DROP_REASON] == reason)
+
+
+def test_hundred_thousand_open_roots_are_capped_and_counted(make_harness, monkeypatch):
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "200000")  # the SDK's own export queue is not under test
+    h = make_harness(settings=Settings(max_traces_in_flight=1000))
+    tracer = h.tracer
+    spans = [tracer.start_span(f"r{i}") for i in range(100_000)]
+    registry = h.handle.runtime.registry
+    assert len(registry) == 1000
+    assert dropped(h, "traces_in_flight") == 99_000
+    for s in spans:
+        s.end()
+    assert len(registry) == 0
+    h.flush()
+    assert len(h.verdicts) == 1000  # the tracked ones got verdicts; the rest exported unchanged
+    assert len(h.spans()) == 100_000
+
+
+def test_roots_that_never_end_are_evicted_after_the_ttl():
+    drops = []
+    reg = TraceRegistry(max_traces=10, ttl_s=5.0, on_drop=lambda reason, n: drops.append((reason, n)))
+    reg.open(1, 11, time.time_ns())
+    reg.open(2, 22, time.time_ns())
+    assert reg.evict_expired(now=time.monotonic() + 1) == []
+    evicted = reg.evict_expired(now=time.monotonic() + 10)
+    assert {r.trace_id for r in evicted} == {1, 2}
+    assert drops == [("trace_timeout", 2)]
+    assert len(reg) == 0
+
+
+def test_finalizer_evicts_leaked_roots_on_its_sweep(make_harness):
+    h = make_harness(settings=Settings(trace_ttl_s=0.05, sweep_interval_s=0.02))
+    leaked = h.tracer.start_span("leaked")  # never ended
+    with stagetrace.pipeline("p"):  # starts the finalizer thread
+        pass
+    deadline = time.monotonic() + 5
+    while len(h.handle.runtime.registry) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(h.handle.runtime.registry) == 0
+    assert dropped(h, "trace_timeout") >= 1
+    del leaked
+
+
+def test_stages_per_trace_are_capped(make_harness):
+    h = make_harness(settings=Settings(max_stages_per_trace=10))
+    with stagetrace.pipeline("p"):
+        for _ in range(50):
+            with stagetrace.stage("tok"):
+                pass
+    assert len(h.by_name("tok")) == 10
+    assert dropped(h, "stages_per_trace") == 40
+
+
+def test_full_finalizer_queue_exports_the_root_unchanged(make_harness):
+    h = make_harness(settings=Settings(queue_size=1))
+    fin = h.handle.runtime.finalizer
+    fin._ensure_thread()
+    import threading
+
+    gate = threading.Event()
+    original = fin._process_trace
+
+    def slow_process(*a):
+        gate.wait(5)
+        original(*a)
+
+    fin._process_trace = slow_process
+    for _ in range(5):
+        with stagetrace.pipeline("p"), stagetrace.stage("s"):
+            pass
+    gate.set()
+    spans = h.spans()
+    roots = [s for s in spans if s.name == "p"]
+    assert len(roots) == 5  # nothing lost
+    assert sum(1 for r in roots if c.BOTTLENECK_STAGE in r.attributes) < 5
+    assert dropped(h, "finalizer_queue_full") >= 3
+
+
+def test_stage_name_cardinality_is_capped_in_metrics(make_harness):
+    h = make_harness(settings=Settings(max_stage_names=20))
+    for i in range(200):
+        with stagetrace.pipeline("p"), stagetrace.stage(f"user-{i}"):
+            pass
+    labels = {p.attributes[c.STAGE] for p in h.metric_points(c.METRIC_STAGE_DURATION)}
+    assert len(labels) == 21 and "_other" in labels
+    assert dropped(h, "stage_name_cardinality") >= 180
+    assert len(h.by_name("user-150")) == 1  # spans keep the real name
+
+
+@pytest.mark.parametrize("bad", [None, 3, b"bytes", ["x"]])
+def test_non_string_names_are_a_type_error(bad):
+    with pytest.raises(TypeError, match="stage name must be a str"):
+        stagetrace.stage(bad if bad is not None else 0)
+    with pytest.raises(TypeError):
+        stagetrace.pipeline(bad)
+
+
+@pytest.mark.parametrize("bad", ["", "   ", "\n\t"])
+def test_empty_names_are_a_value_error(bad):
+    with pytest.raises(ValueError, match="non-empty"):
+        stagetrace.stage(bad)
+
+
+def test_control_characters_and_huge_names_are_sanitised(harness):
+    with stagetrace.pipeline("p"):
+        with stagetrace.stage("dec\x00ode\n"):
+            pass
+        with stagetrace.stage("x" * 10_000):
+            pass
+    names = {s.name for s in harness.spans()}
+    assert "dec?ode" in names
+    assert "x" * 128 in names
+
+
+def test_bad_kind_and_generators_are_rejected_at_the_call():
+    with pytest.raises(ValueError, match="kind"):
+        stagetrace.stage("a", kind="gpu-ish")
+
+    with pytest.raises(TypeError, match="generator"):
+
+        @stagetrace.stage("gen")
+        def gen():
+            yield 1
+
+    with pytest.raises(ValueError, match="needs a name"), stagetrace.stage():
+        pass
+
+
+def test_bad_configuration_is_a_clear_error(monkeypatch):
+    with pytest.raises(ValueError, match="slow_threshold_ms"):
+        stagetrace.configure(slow_threshold_ms=-1, span_exporter=[], set_global=False)
+    with pytest.raises(TypeError, match="on_verdict"):
+        stagetrace.configure(on_verdict=42, set_global=False)
+    monkeypatch.setenv("STAGETRACE_SLOW_THRESHOLD_MS", "fast")
+    with pytest.raises(ValueError, match="STAGETRACE_SLOW_THRESHOLD_MS"):
+        stagetrace.configure(set_global=False)
+
+
+def test_slow_threshold_from_environment(monkeypatch, make_harness):
+    monkeypatch.setenv("STAGETRACE_SLOW_THRESHOLD_MS", "1")
+    h = make_harness()
+    with stagetrace.pipeline("p"), stagetrace.stage("s"):
+        time.sleep(0.005)
+    h.flush()
+    assert h.verdicts[0].slow and h.verdicts[0].slow_threshold_ms == 1
+
+
+def test_internal_errors_never_reach_the_application(harness, monkeypatch):
+    runtime = harness.handle.runtime
+
+    def broken(*a, **k):
+        raise RuntimeError("stagetrace bug")
+
+    monkeypatch.setattr(runtime.registry, "get", broken)
+    with stagetrace.pipeline("p"), stagetrace.stage("still-works"):
+        value = 42
+    assert value == 42
+    monkeypatch.undo()
+    monkeypatch.setattr(runtime.finalizer, "_process_trace", broken)
+    with stagetrace.pipeline("p2"), stagetrace.stage("s"):
+        pass
+    assert [s.name for s in harness.spans() if s.name == "p2"] == ["p2"]  # exported unchanged
+
+
+def test_unconfigured_stages_are_plain_calls():
+    from stagetrace import _state
+
+    assert _state.runtime is None
+
+    @stagetrace.stage("x")
+    def f(a):
+        return a * 2
+
+    with stagetrace.stage("y") as s:
+        s.set_attribute("k", 1)
+    assert f(21) == 42
+
+
+def test_disabled_by_environment_is_a_no_op():
+    code = (
+        "import stagetrace\n"
+        "h = stagetrace.configure('svc')\n"
+        "assert not h.enabled and h.traces_path is None\n"
+        "@stagetrace.stage('a')\n"
+        "def f(): return 7\n"
+        "with stagetrace.pipeline('p'):\n"
+        "    assert f() == 7\n"
+        "h.force_flush(); h.shutdown(); print('ok')\n"
+    )
+    env = dict(os.environ, STAGETRACE_DISABLED="true", STAGETRACE_OUTPUT_DIR="/nonexistent/should-not-be-created")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_stage_records_do_not_leak(harness):
+    with stagetrace.pipeline("warm"), stagetrace.stage("s"):
+        pass
+    harness.flush()
+    from stagetrace.capture.records import StageRecord
+
+    gc.collect()
+    before = sum(isinstance(o, StageRecord) for o in gc.get_objects())
+    for _ in range(2000):
+        with stagetrace.pipeline("p"), stagetrace.stage("s"):
+            pass
+    harness.flush()
+    harness.exporter.clear()
+    gc.collect()
+    after = sum(isinstance(o, StageRecord) for o in gc.get_objects())
+    assert after - before < 50
