@@ -55,6 +55,7 @@ class Runtime:
         tracer_provider.add_span_processor(self.processor)
         self.tracer = tracer_provider.get_tracer(INSTRUMENTATION_NAME, __version__)
         self.max_stages_per_trace = settings.max_stages_per_trace
+        self.lookup_trace = self.registry.lookup_function()
         self.cpu_signals: Any = None  # set by the CPU-signal sampler when enabled
 
     @staticmethod

@@ -21,6 +21,7 @@ class Settings:
     max_stage_names: int = 256
     queue_size: int = 10_000
     sweep_interval_s: float = 1.0
+    poll_interval_s: float = 0.01  # how often a busy finalizer drains its queue
     gpu_wait_timeout_s: float = 30.0
     slow_log_per_minute: int = 60
     shutdown_timeout_s: float = 5.0

@@ -40,10 +40,6 @@ def union_length_ns(intervals: Iterable[tuple[int, int]]) -> int:
     return total
 
 
-def _clip(start: int, end: int, lo: int, hi: int) -> tuple[int, int]:
-    return max(start, lo), min(end, hi)
-
-
 def analyse_trace(
     root_start_ns: int,
     root_end_ns: int,
@@ -64,52 +60,52 @@ def analyse_trace(
     total_ns = root_end_ns - root_start_ns
     total_ms = total_ns / 1e6
 
-    in_request = [s.start_ns < root_end_ns or total_ns == 0 for s in stages]
+    # Each stage's interval clipped to the root; None for stages after the root ended.
+    clipped: list[tuple[int, int] | None] = []
     children: dict[int, list[tuple[int, int]]] = {}
-    for s, inside in zip(stages, in_request):
-        if inside and s.parent_stage_id:
-            children.setdefault(s.parent_stage_id, []).append((s.start_ns, s.end_ns))
+    for st in stages:
+        if total_ns and st.start_ns >= root_end_ns:
+            clipped.append(None)
+            continue
+        iv = (max(st.start_ns, root_start_ns), min(st.end_ns, root_end_ns)) if total_ns else (st.start_ns, st.end_ns)
+        clipped.append(iv)
+        if st.parent_stage_id:
+            children.setdefault(st.parent_stage_id, []).append(iv)
 
     breakdown: dict[str, float] = {}
     first_start: dict[str, int] = {}
     kinds: dict[str, str] = {}
     charged: list[float | None] = []
-    for s, inside in zip(stages, in_request):
-        if not inside:
+    for st, iv in zip(stages, clipped):
+        if iv is None:
             charged.append(None)
             continue
-        if s.kind in GPU_KINDS and s.gpu_ms is not None:
-            ms = max(0.0, s.gpu_ms)
+        if st.gpu_ms is not None and st.kind in GPU_KINDS:
+            ms = st.gpu_ms if st.gpu_ms > 0 else 0.0
         else:
-            start, end = (
-                _clip(s.start_ns, s.end_ns, root_start_ns, root_end_ns)
-                if total_ns
-                else (
-                    s.start_ns,
-                    s.end_ns,
-                )
-            )
-            own = max(0, end - start)
-            kids = children.get(s.stage_id) if s.stage_id else None
-            if kids and own:
-                own -= union_length_ns(_clip(a, b, start, end) for a, b in kids)
-            ms = max(0, own) / 1e6
+            start, end = iv
+            own = end - start
+            kids = children.get(st.span_id) if st.span_id else None
+            if kids and own > 0:
+                own -= union_length_ns((max(a, start), min(b, end)) for a, b in kids)
+            ms = own / 1e6 if own > 0 else 0.0
         charged.append(ms)
-        breakdown[s.name] = breakdown.get(s.name, 0.0) + ms
-        if s.name not in first_start or s.start_ns < first_start[s.name]:
-            first_start[s.name] = s.start_ns
-        kinds.setdefault(s.name, s.kind)
+        name = st.name
+        if name in breakdown:
+            breakdown[name] += ms
+            if st.start_ns < first_start[name]:
+                first_start[name] = st.start_ns
+        else:
+            breakdown[name] = ms
+            first_start[name] = st.start_ns
+            kinds[name] = st.kind
 
     ordered = dict(sorted(breakdown.items(), key=lambda kv: first_start[kv[0]]))
     bottleneck = max(ordered, key=ordered.__getitem__) if ordered else None
     ratio = 0.0
     if bottleneck is not None and total_ms > 0:
         ratio = min(1.0, max(0.0, ordered[bottleneck] / total_ms))
-
-    covered = union_length_ns(
-        _clip(s.start_ns, s.end_ns, root_start_ns, root_end_ns) for s, inside in zip(stages, in_request) if inside
-    )
-    untracked_ms = max(0, total_ns - covered) / 1e6
+    covered = union_length_ns(iv for iv in clipped if iv is not None)
     return TraceAnalysis(
         total_ms=total_ms,
         breakdown=ordered,
@@ -117,7 +113,7 @@ def analyse_trace(
         ratio=ratio,
         slow=total_ms > slow_threshold_ms,
         slow_threshold_ms=slow_threshold_ms,
-        untracked_ms=untracked_ms,
+        untracked_ms=max(0, total_ns - covered) / 1e6,
         stage_kinds=kinds,
         charged_ms=tuple(charged),
     )

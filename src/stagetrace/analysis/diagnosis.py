@@ -112,6 +112,8 @@ def gpu_starved(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSigna
 
 def pageable_h2d(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
     # Only real device copies count (CUDA-timed): on a CPU-only run "pinned" has no consequence.
+    if "h2d" not in a.stage_kinds.values():
+        return None
     hits = [
         s
         for s in stages
@@ -224,6 +226,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("UNTRACKED_TIME", untracked_time),
 )
 RULE_CODES = tuple(code for code, _ in RULES)
+_NEEDS_CPU_SIGNALS = frozenset({"GIL_CONTENTION", "LOCK_OR_IO_WAIT", "CPU_OVERSUBSCRIBED"})
 
 
 def diagnose(
@@ -237,13 +240,16 @@ def diagnose(
     Stages that started after the root ended (background work) are not the request's problem and are
     left out, matching the breakdown.
     """
-    in_request = (
-        [s for s, charged in zip(stages, analysis.charged_ms) if charged is not None]
-        if (len(analysis.charged_ms) == len(stages))
-        else list(stages)
-    )
+    if len(analysis.charged_ms) == len(stages):
+        in_request = [s for s, charged in zip(stages, analysis.charged_ms) if charged is not None]
+    else:
+        in_request = list(stages)
+    # Most traces carry no CPU or GPU signals at all: skip the rules that would only find nothing.
+    has_cpu_signals = any(s.blocked_ms is not None or s.runqueue_ms is not None for s in in_request)
     found = []
-    for _code, rule in RULES:
+    for code, rule in RULES:
+        if code in _NEEDS_CPU_SIGNALS and not has_cpu_signals:
+            continue
         d = rule(analysis, in_request, signals, thresholds)
         if d is not None:
             found.append(d)

@@ -11,19 +11,24 @@ if TYPE_CHECKING:
     from stagetrace.analysis.diagnosis import Diagnosis
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class StageSample:
-    """One finished occurrence of a stage, in epoch nanoseconds.
+    """One finished occurrence of a stage.
+
+    The analysis reads these fields by name, so the in-process finalizer passes its ``StageRecord``s
+    directly (same names, perf-counter time base) and the report builds these from exported spans (epoch
+    time base); only consistency within one trace matters.
 
     ``parent_stage_id`` is the span id of the nearest enclosing *stage* (not any span), so that exclusive
-    time is right even when another instrumentation's span sits between two stages.
+    time is right even when another instrumentation's span sits between two stages. Not frozen: one is
+    built per stage on the finalizer, and a frozen dataclass's __init__ costs several times more.
     """
 
     name: str
     kind: str
     start_ns: int
     end_ns: int
-    stage_id: int = 0
+    span_id: int = 0
     parent_stage_id: int = 0
     gpu_ms: float | None = None
     cpu_ms: float | None = None

@@ -8,26 +8,43 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
+from opentelemetry.trace import NonRecordingSpan, SpanContext
 
-class StageRecord:
-    """One stage occurrence. Times are ``perf_counter_ns``; the finalizer converts them to epoch time."""
+MAX_STAGE_ATTRIBUTES = 64
+MAX_ATTRIBUTE_VALUE_LENGTH = 4096
+_SCALARS = (str, bool, int, float)
+
+
+def clean_attribute_value(value: Any) -> Any:
+    """OpenTelemetry's attribute types, with strings cut to a bound; None for anything else."""
+    if isinstance(value, str):
+        return value[:MAX_ATTRIBUTE_VALUE_LENGTH]
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, _SCALARS) for v in value):
+        return tuple(v[:MAX_ATTRIBUTE_VALUE_LENGTH] if isinstance(v, str) else v for v in value[:128])
+    return None
+
+
+class StageRecord(NonRecordingSpan):
+    """One stage occurrence, and the stage's own non-recording span while it runs.
+
+    Being the span itself saves building a SpanContext and a wrapper per stage: the SpanContext is made
+    only if something (a foreign instrumentation opening a child span) asks for it. Times are
+    ``perf_counter_ns``; the finalizer converts them to epoch time. Attributes set on it through the span
+    API (``trace.get_current_span().set_attribute``) land on the stage span.
+    """
 
     __slots__ = (
-        "attributes",
-        "cpu",
         "end_ns",
-        "error",
-        "gpu",
-        "implicit_root",
         "kind",
         "name",
-        "on_event_loop",
         "owner",
         "parent_span_id",
         "parent_stage_id",
-        "perf_to_epoch_ns",
         "runtime",
         "span_id",
         "start_ns",
@@ -37,6 +54,26 @@ class StageRecord:
         "trace_id",
         "trace_state",
     )
+
+    # Rarely set: class-level defaults, so the hot path does not pay to initialise them. (The base class
+    # gives instances a __dict__, which holds them once set.)
+    error: tuple[str, str, str] | None = None
+    attributes: dict[str, Any] | None = None
+    gpu: Any = None  # GPU timing handle (CUDA events), resolved off-thread
+    cpu: Any = None  # CPU signal snapshot at entry, then the stage's deltas
+    perf_to_epoch_ns = 0  # set for stages outside a tracked trace
+    implicit_root: Any = None  # the root this stage opened because it ran outside any trace
+    on_event_loop = False
+    _span_context: SpanContext | None = None
+    # What the analysis reads besides times and ids (the StageSample field names), filled in by the CPU
+    # signals at exit and by the GPU timer in the finalizer.
+    gpu_ms: float | None = None
+    cpu_ms: float | None = None
+    blocked_ms: float | None = None
+    runqueue_ms: float | None = None
+    h2d_bytes: int | None = None
+    h2d_pinned: bool | None = None
+    gpu_utilization: float | None = None
 
     def __init__(
         self,
@@ -48,6 +85,9 @@ class StageRecord:
         span_id: int,
         parent_span_id: int,
         parent_stage_id: int,
+        trace_flags: Any = None,
+        trace_state: Any = None,
+        owner: Any = None,
     ) -> None:
         self.name = name
         self.kind = kind
@@ -57,24 +97,42 @@ class StageRecord:
         self.span_id = span_id
         self.parent_span_id = parent_span_id
         self.parent_stage_id = parent_stage_id
+        self.trace_flags = trace_flags
+        self.trace_state = trace_state
+        self.owner = owner  # the stage object that opened it, so `with` exits find their own record
         self.start_ns = 0
         self.end_ns = 0
-        self.error: tuple[str, str, str] | None = None
-        self.attributes: dict[str, Any] | None = None
-        self.gpu: Any = None  # GPU timing handle (CUDA events), resolved off-thread
-        self.cpu: Any = None  # CPU signal snapshot (thread CPU, schedstat) at entry, then deltas
         self.token: Any = None
-        self.perf_to_epoch_ns = 0  # set for stages outside a tracked trace
-        self.trace_flags: Any = None
-        self.trace_state: Any = None
-        self.owner: Any = None  # the stage object that opened it, so `with` exits find their own record
-        self.implicit_root: Any = None  # the root this stage opened because it ran outside any trace
-        self.on_event_loop = False
+
+    @property
+    def wall_ms(self) -> float:
+        return max(0, self.end_ns - self.start_ns) / 1e6
+
+    # --- the non-recording span API ------------------------------------------------------------------
+    def get_span_context(self) -> SpanContext:
+        sc = self._span_context
+        if sc is None:
+            sc = self._span_context = SpanContext(
+                self.trace_id, self.span_id, False, self.trace_flags, self.trace_state
+            )
+        return sc
 
     def set_attribute(self, key: str, value: Any) -> None:
-        if self.attributes is None:
-            self.attributes = {}
-        self.attributes[key] = value
+        attrs = self.attributes
+        if attrs is None:
+            attrs = self.attributes = {}
+        if not isinstance(key, str) or not key or (key not in attrs and len(attrs) >= MAX_STAGE_ATTRIBUTES):
+            return
+        cleaned = clean_attribute_value(value)
+        if cleaned is not None:
+            attrs[key] = cleaned
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        for key, value in attributes.items():
+            self.set_attribute(key, value)
+
+    def __repr__(self) -> str:
+        return f"StageRecord({self.name!r}, kind={self.kind!r}, span_id={self.span_id:016x})"
 
 
 class TraceRecord:

@@ -32,6 +32,10 @@ class TraceRegistry:
     def get(self, trace_id: int) -> TraceRecord | None:
         return self._traces.get(trace_id)
 
+    def lookup_function(self) -> Callable[[int], TraceRecord | None]:
+        """The bound ``dict.get`` for the hot path; stays valid because the dict is never replaced."""
+        return self._traces.get
+
     def open(
         self,
         trace_id: int,

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+import random
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from opentelemetry import context as otel_context
 from opentelemetry.context import Context, attach, create_key, detach, get_current
-from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, set_span_in_context
+from opentelemetry.trace import Status, StatusCode, set_span_in_context
 from opentelemetry.trace.propagation import _SPAN_KEY
 
 from stagetrace import _state
@@ -30,6 +32,44 @@ _ROOT_KEY = create_key("stagetrace-root")
 MAX_NAME_LENGTH = 128
 
 _perf_ns = time.perf_counter_ns
+_getrandbits = random.getrandbits  # reseeded in forked children by the random module
+
+
+def _context_var() -> Any:
+    """The ContextVar behind OpenTelemetry's default runtime context, when that is what is in use.
+
+    Reading and setting it directly skips two wrapper layers on every stage entry and exit (about a third
+    of the hot path). Any other runtime context (OTEL_PYTHON_CONTEXT) keeps the public API.
+    """
+    runtime_context = getattr(otel_context, "_RUNTIME_CONTEXT", None)
+    try:
+        from opentelemetry.context.contextvars_context import ContextVarsRuntimeContext
+    except ImportError:  # pragma: no cover - layout change in a future API
+        return None
+    if type(runtime_context) is ContextVarsRuntimeContext:
+        return getattr(runtime_context, "_current_context", None)
+    return None
+
+
+def _span_context_is_a_plain_tuple() -> bool:
+    """SpanContext is a tuple (trace_id, span_id, is_remote, trace_flags, trace_state, is_valid); unpacking
+    it is one C-level operation where five property reads are five Python calls. Checked, not assumed."""
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    probe = SpanContext(0xA, 0xB, False, TraceFlags(1))
+    return isinstance(probe, tuple) and len(probe) == 6 and tuple(probe[:3]) == (0xA, 0xB, False) and probe[5]
+
+
+_UNPACK_SPAN_CONTEXT = _span_context_is_a_plain_tuple()
+_CV = _context_var()
+if _CV is not None:
+    _get_context = _CV.get
+    _set_context = _CV.set
+    _cv_reset = _CV.reset
+else:  # pragma: no cover - exercised only with a custom runtime context
+    _get_context = get_current
+    _set_context = attach
+    _cv_reset = detach
 
 
 def validate_stage_name(name: object) -> str:
@@ -97,17 +137,24 @@ def enter_stage(name: str, kind: str, owner: Any = None) -> StageRecord | None:
     if rt is None:
         return None
     try:
-        ctx = get_current()
+        ctx = _get_context()
         span = ctx.get(_SPAN_KEY)
-        sc = span.get_span_context() if span is not None else None
         implicit = None
-        if sc is None or not sc.is_valid:
-            # Outside any trace: the stage opens its own local root, so it still shows up with a verdict.
-            implicit = _open_root(rt, name, None)
-            ctx = get_current()
-            sc = implicit.span.get_span_context()
-        trace_id = sc.trace_id
-        trace = rt.registry.get(trace_id)
+        if type(span) is StageRecord:  # nested stage: read the parent directly, no SpanContext needed
+            trace_id, parent_span_id = span.trace_id, span.span_id
+            flags, state = span.trace_flags, span.trace_state
+        else:
+            sc = span.get_span_context() if span is not None else None
+            if sc is None or not sc.is_valid:
+                # Outside any trace: the stage opens its own local root, so it still shows up with a verdict.
+                implicit = _open_root(rt, name, None)
+                ctx = _get_context()
+                sc = implicit.span.get_span_context()
+            if _UNPACK_SPAN_CONTEXT:
+                trace_id, parent_span_id, _, flags, state, _ = sc
+            else:  # pragma: no cover - a future API layout
+                trace_id, parent_span_id, flags, state = sc.trace_id, sc.span_id, sc.trace_flags, sc.trace_state
+        trace = rt.lookup_trace(trace_id)
         parent = ctx.get(_STAGE_KEY)
         rec = StageRecord(
             name,
@@ -115,24 +162,25 @@ def enter_stage(name: str, kind: str, owner: Any = None) -> StageRecord | None:
             rt,
             trace,
             trace_id,
-            rt.new_span_id(),
-            sc.span_id,
+            _getrandbits(64) or 1,
+            parent_span_id,
             parent.span_id if parent is not None and parent.trace_id == trace_id else 0,
+            flags,
+            state,
+            owner,
         )
         if trace is None:
             # A trace whose root stagetrace does not track: the stage is exported on its own.
             rec.perf_to_epoch_ns = time.time_ns() - _perf_ns()
-            rec.trace_flags = sc.trace_flags
-            rec.trace_state = sc.trace_state
-        rec.owner = owner
-        rec.implicit_root = implicit
-        values = dict(ctx)
-        values[_SPAN_KEY] = NonRecordingSpan(SpanContext(trace_id, rec.span_id, False, sc.trace_flags, sc.trace_state))
-        values[_STAGE_KEY] = rec
+        if implicit is not None:
+            rec.implicit_root = implicit
         signals = rt.cpu_signals
         if signals is not None:
             signals.on_enter(rec)
-        rec.token = attach(Context(values))
+        new = Context(ctx)  # one copy, where set_span_in_context + set_value would make two
+        dict.__setitem__(new, _SPAN_KEY, rec)
+        dict.__setitem__(new, _STAGE_KEY, rec)
+        rec.token = _set_context(new)
         rec.start_ns = _perf_ns()
         return rec
     except Exception:
@@ -147,7 +195,10 @@ def exit_stage(rec: StageRecord | None, exc: BaseException | None) -> None:
     try:
         rec.end_ns = end
         rt = rec.runtime
-        detach(rec.token)
+        try:
+            _cv_reset(rec.token)
+        except ValueError:  # token made in another context (P10): the API's detach logs it
+            detach(rec.token)
         if rt.cpu_signals is not None:
             rt.cpu_signals.on_exit(rec)
         if exc is not None:
@@ -187,7 +238,7 @@ class Stage:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         if _state.runtime is None and exc is None:
             return
-        rec = get_current().get(_STAGE_KEY)
+        rec = _get_context().get(_STAGE_KEY)
         if rec is not None and rec.owner is self and not rec.end_ns:
             exit_stage(rec, exc)
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,7 +23,6 @@ from opentelemetry.trace import format_trace_id
 from stagetrace import conventions as c
 from stagetrace._safety import RateLimitedLog, logger, report_internal_error
 from stagetrace.analysis import (
-    StageSample,
     TraceSignals,
     Verdict,
     analyse_trace,
@@ -34,8 +33,6 @@ from stagetrace.capture.records import StageRecord, TraceRecord
 from stagetrace.finalize import materialize as mat
 from stagetrace.finalize.metrics import StagetraceMetrics, exemplar_context
 from stagetrace.settings import Settings
-
-_STOP = object()
 
 
 class Finalizer:
@@ -69,11 +66,16 @@ class Finalizer:
         os.register_at_fork(after_in_child=lambda: (lambda f: f and f._after_fork())(ref()))
 
     def _init_state(self) -> None:
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=self.settings.queue_size)
+        # A deque, not queue.Queue: appends are atomic and wake nobody. The finalizer drains in batches
+        # every poll interval while busy, so a request never pays for a thread handoff; only the first
+        # submission after an idle spell sets the wake-up event.
+        self._items: deque[Any] = deque()
         self._parked: list[tuple[float, Any]] = []  # items waiting for GPU events to complete
-        self._pending = 0
-        self._cond = threading.Condition()
+        self._wake = threading.Event()
+        self._sleeping = False
+        self._busy = False
         self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
         self._pid = os.getpid()
         self._stopped = False
         self._last_sweep = time.monotonic()
@@ -85,27 +87,27 @@ class Finalizer:
 
     # --- submission (request threads) ----------------------------------------------------------------
     def _ensure_thread(self) -> None:
-        if self._thread is None or self._pid != os.getpid():
-            with self._cond:
-                if self._thread is None or self._pid != os.getpid():
-                    if self._pid != os.getpid():
-                        self._init_state()
-                    self._thread = threading.Thread(target=self._run, name="stagetrace-finalizer", daemon=True)
-                    self._thread.start()
+        if self._pid != os.getpid():
+            self._after_fork()
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="stagetrace-finalizer", daemon=True)
+                self._thread.start()
 
     def _submit(self, item: Any) -> bool:
+        if self._thread is None or self._pid != os.getpid():
+            if self._stopped:
+                return False
+            self._ensure_thread()
         if self._stopped:
             return False
-        self._ensure_thread()
-        with self._cond:
-            self._pending += 1
-        try:
-            self._queue.put_nowait(item)
-            return True
-        except queue.Full:
-            self._done(1)
+        if len(self._items) >= self.settings.queue_size:
             self.metrics.dropped("finalizer_queue_full")
             return False
+        self._items.append(item)
+        if self._sleeping:
+            self._wake.set()
+        return True
 
     def submit_trace(self, trace: TraceRecord, root: ReadableSpan) -> bool:
         """False: not accepted (queue full or stopped); the caller exports the root unchanged."""
@@ -116,22 +118,18 @@ class Finalizer:
             self.metrics.dropped("lone_stage")
 
     # --- flush / shutdown ----------------------------------------------------------------------------
-    def _done(self, n: int = 1) -> None:
-        with self._cond:
-            self._pending -= n
-            if self._pending <= 0:
-                self._cond.notify_all()
+    def _idle(self) -> bool:
+        return not self._items and not self._busy and not self._parked
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         if self._thread is None:
             return True
         deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while self._pending > 0:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(min(left, 0.05))
+        while not self._idle():
+            if time.monotonic() >= deadline or not self._thread.is_alive():
+                return False
+            self._wake.set()
+            time.sleep(0.001)
         return True
 
     def shutdown(self, timeout_s: float = 5.0) -> bool:
@@ -139,28 +137,34 @@ class Finalizer:
         self._stopped = True
         thread = self._thread
         if thread is not None and thread.is_alive():
-            try:
-                self._queue.put_nowait(_STOP)
-            except queue.Full:
-                pass
+            self._wake.set()
             thread.join(timeout=max(0.1, timeout_s))
         return ok
 
     # --- the thread ----------------------------------------------------------------------------------
     def _run(self) -> None:
+        poll = self.settings.poll_interval_s
         while True:
-            timeout = 0.002 if self._parked else self.settings.sweep_interval_s
+            if self._items or self._parked:
+                self._wake.wait(poll)
+            else:
+                self._sleeping = True
+                if not self._items:  # re-check: a submit may have raced the flag
+                    self._wake.wait(self.settings.sweep_interval_s)
+                self._sleeping = False
+            self._wake.clear()
+            self._busy = True
             try:
-                item = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                item = None
-            if item is _STOP:
+                items = self._items
+                while items:
+                    self._handle(items.popleft())
+                if self._parked:
+                    self._drain_parked(force=self._stopped)
+            finally:
+                self._busy = False
+            if self._stopped and not self._items:
                 self._drain_parked(force=True)
                 return
-            if item is not None:
-                self._handle(item)
-            if self._parked:
-                self._drain_parked(force=False)
             now = time.monotonic()
             if now - self._last_sweep >= self.settings.sweep_interval_s:
                 self._last_sweep = now
@@ -185,7 +189,6 @@ class Finalizer:
             report_internal_error("finalizer")
             if not isinstance(item, StageRecord):
                 self._forward(item[1])
-        self._done()
 
     def _gpu_ready(self, item: Any) -> bool:
         if self.gpu_timer is None:
@@ -213,46 +216,50 @@ class Finalizer:
         except Exception:
             report_internal_error("export processor")
 
-    def _gpu_fields(self, rec: StageRecord, perf_to_epoch_ns: int) -> dict[str, Any] | None:
-        if rec.gpu is None or self.gpu_timer is None:
-            return None
-        return self.gpu_timer.resolve(rec, perf_to_epoch_ns)
+    def _resolve_gpu(self, stages: list[StageRecord], perf_to_epoch_ns: int) -> None:
+        if self.gpu_timer is not None:
+            for rec in stages:
+                if rec.gpu is not None:
+                    mat.apply_gpu_fields(rec, self.gpu_timer.resolve(rec, perf_to_epoch_ns))
 
     def _process_trace(self, trace: TraceRecord, root: ReadableSpan) -> None:
         with trace.lock:
             trace.closed = True
             stages = list(trace.stages)
         offset = trace.perf_to_epoch_ns
-        samples = [mat.to_sample(r, offset, self._gpu_fields(r, offset)) for r in stages]
+        self._resolve_gpu(stages, offset)
         attrs = root.attributes or {}
         route = attrs.get(c.HTTP_ROUTE)
         route = route if isinstance(route, str) else None
-        analysis = analyse_trace(root.start_time or 0, root.end_time or 0, samples, self.settings.threshold_for(route))
+        # The records are analysed as they are, in perf-counter time: the root moves to that clock.
+        root_start, root_end = (root.start_time or 0) - offset, (root.end_time or 0) - offset
+        analysis = analyse_trace(root_start, root_end, stages, self.settings.threshold_for(route))
         signals = self.signals(trace, root) if self.signals is not None else TraceSignals()
         verdict = build_verdict(
             trace_id=format_trace_id(trace.trace_id),
             root_name=root.name,
             analysis=analysis,
-            diagnoses=diagnose(analysis, samples, signals, self.settings.thresholds),
+            diagnoses=diagnose(analysis, stages, signals, self.settings.thresholds),
             route=route,
             gpu_utilization=signals.gpu_utilization,
             sampled=bool(root.context and root.context.trace_flags.sampled),
         )
         if verdict.sampled:
             flags, state = root.context.trace_flags, root.context.trace_state
-            for rec, sample in zip(stages, samples):
+            resource = root.resource
+            for rec in stages:
                 self._forward(
                     mat.stage_span(
                         rec,
-                        sample,
+                        offset,
                         trace_flags=flags,
                         trace_state=state,
-                        resource=root.resource,
-                        attributes=mat.stage_attributes(rec, sample),
+                        resource=resource,
+                        attributes=mat.stage_attributes(rec),
                     )
                 )
         self._forward(mat.root_with_verdict(root, verdict))
-        self.metrics.record_trace(verdict, samples, analysis.charged_ms, exemplar_context(root.context))
+        self.metrics.record_trace(verdict, exemplar_context(root.context))
         if trace.dropped_stages:
             self.metrics.dropped("stages_per_trace", trace.dropped_stages)
         if verdict.slow:
@@ -264,9 +271,8 @@ class Finalizer:
         track: exported on its own, counted in the stage metric, not part of any verdict."""
         trace = rec.trace
         offset = trace.perf_to_epoch_ns if trace is not None else rec.perf_to_epoch_ns
-        sample = mat.to_sample(rec, offset, self._gpu_fields(rec, offset))
-        ms = sample.gpu_ms if (sample.kind in c.GPU_KINDS and sample.gpu_ms is not None) else sample.wall_ms
-        ctx = None
+        self._resolve_gpu([rec], offset)
+        ms = rec.gpu_ms if (rec.kind in c.GPU_KINDS and rec.gpu_ms is not None) else rec.wall_ms
         source = trace if trace is not None else rec  # untracked trace: flags were taken at stage entry
         flags, state = source.trace_flags, source.trace_state
         if flags is not None and flags.sampled:
@@ -274,14 +280,14 @@ class Finalizer:
             self._forward(
                 mat.stage_span(
                     rec,
-                    sample,
+                    offset,
                     trace_flags=flags,
                     trace_state=state,
                     resource=self.resource,
-                    attributes=mat.stage_attributes(rec, sample, extra),
+                    attributes=mat.stage_attributes(rec, extra),
                 )
             )
-        self.metrics.record_stage(rec.name, rec.kind, ms, None, ctx)
+        self.metrics.record_stage(rec.name, rec.kind, ms, None)
 
     def _log_slow(self, v: Verdict) -> None:
         where = f" {v.route}" if v.route else ""
@@ -312,4 +318,4 @@ class Finalizer:
                 report_internal_error(f"on_verdict callback {getattr(callback, '__qualname__', callback)!r}")
 
 
-__all__ = ["Finalizer", "StageSample", "logger"]
+__all__ = ["Finalizer", "logger"]

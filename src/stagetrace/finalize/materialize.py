@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
@@ -17,60 +16,53 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 
 from stagetrace import conventions as c
 from stagetrace._version import __version__
-from stagetrace.analysis import StageSample, Verdict
+from stagetrace.analysis import Verdict
 from stagetrace.capture.records import StageRecord
 
 SCOPE = InstrumentationScope(c.INSTRUMENTATION_NAME, __version__)
 
 
-def to_sample(rec: StageRecord, perf_to_epoch_ns: int, gpu: Mapping[str, Any] | None = None) -> StageSample:
-    """``gpu`` carries what the GPU timer resolved: gpu_ms, start/end placement, bytes, pinned."""
-    start, end = rec.start_ns + perf_to_epoch_ns, rec.end_ns + perf_to_epoch_ns
-    cpu = rec.cpu if isinstance(rec.cpu, dict) else {}
-    gpu = gpu or {}
-    return StageSample(
-        name=rec.name,
-        kind=rec.kind,
-        start_ns=start,
-        end_ns=max(start, end),
-        stage_id=rec.span_id,
-        parent_stage_id=rec.parent_stage_id,
-        gpu_ms=gpu.get("gpu_ms"),
-        cpu_ms=cpu.get("cpu_ms"),
-        blocked_ms=cpu.get("blocked_ms"),
-        runqueue_ms=cpu.get("runqueue_ms"),
-        on_event_loop=rec.on_event_loop,
-        h2d_bytes=gpu.get("bytes"),
-        h2d_pinned=gpu.get("pinned"),
-        gpu_utilization=gpu.get("utilization"),
-    )
+def apply_gpu_fields(rec: StageRecord, gpu: Mapping[str, Any] | None) -> None:
+    """Copy what the GPU timer resolved (gpu_ms, bytes, pinned, utilisation) onto the record."""
+    if gpu:
+        for key in ("gpu_ms", "h2d_bytes", "h2d_pinned", "gpu_utilization"):
+            if key in gpu:
+                setattr(rec, key, gpu[key])
 
 
-def stage_attributes(rec: StageRecord, sample: StageSample, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+_SIGNAL_ATTRIBUTES = (
+    ("cpu_ms", c.CPU_MS),
+    ("blocked_ms", c.BLOCKED_MS),
+    ("runqueue_ms", c.RUNQUEUE_MS),
+    ("gpu_ms", c.GPU_DURATION_MS),
+    ("h2d_bytes", c.H2D_BYTES),
+    ("h2d_pinned", c.H2D_PINNED),
+    ("gpu_utilization", c.GPU_UTILIZATION),
+)
+
+
+def stage_attributes(rec: StageRecord, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     attrs: dict[str, Any] = {c.STAGE: rec.name, c.STAGE_KIND: rec.kind}
     if rec.attributes:
         attrs.update(rec.attributes)
-    for key, value in (
-        (c.CPU_MS, sample.cpu_ms),
-        (c.BLOCKED_MS, sample.blocked_ms),
-        (c.RUNQUEUE_MS, sample.runqueue_ms),
-        (c.GPU_DURATION_MS, sample.gpu_ms),
-        (c.H2D_BYTES, sample.h2d_bytes),
-        (c.H2D_PINNED, sample.h2d_pinned),
-        (c.GPU_UTILIZATION, sample.gpu_utilization),
-    ):
-        if value is not None:
-            attrs[key] = value
-    if sample.on_event_loop:
+    if rec.cpu is not None or rec.gpu is not None:  # signals are only ever set alongside these handles
+        for field_name, key in _SIGNAL_ATTRIBUTES:
+            value = getattr(rec, field_name)
+            if value is not None:
+                attrs[key] = value
+    if rec.on_event_loop:
         attrs[c.ON_EVENT_LOOP] = True
     if extra:
         attrs.update(extra)
     return attrs
 
 
+_UNSET = Status(StatusCode.UNSET)
+
+
 def _error_parts(rec: StageRecord, end_ns: int) -> tuple[Status, tuple[Event, ...]]:
     if rec.error is None:
-        return Status(StatusCode.UNSET), ()
+        return _UNSET, ()
     etype, message, stacktrace = rec.error
     event = Event(
         "exception",
@@ -82,25 +74,28 @@ def _error_parts(rec: StageRecord, end_ns: int) -> tuple[Status, tuple[Event, ..
 
 def stage_span(
     rec: StageRecord,
-    sample: StageSample,
+    perf_to_epoch_ns: int,
     *,
     trace_flags: TraceFlags,
     trace_state: TraceState | None,
     resource: Resource,
-    attributes: Mapping[str, Any],
+    attributes: dict[str, Any],
 ) -> ReadableSpan:
-    status, events = _error_parts(rec, sample.end_ns)
+    """``perf_to_epoch_ns`` moves the record's perf-counter times onto the epoch clock of its trace."""
+    start = rec.start_ns + perf_to_epoch_ns
+    end = max(start, rec.end_ns + perf_to_epoch_ns)
+    status, events = _error_parts(rec, end)
     return ReadableSpan(
         name=rec.name,
         context=SpanContext(rec.trace_id, rec.span_id, False, trace_flags, trace_state),
         parent=SpanContext(rec.trace_id, rec.parent_span_id, False, trace_flags, trace_state),
         resource=resource,
-        attributes=dict(attributes),
+        attributes=attributes,
         events=events,
         kind=SpanKind.INTERNAL,
         status=status,
-        start_time=sample.start_ns,
-        end_time=sample.end_ns,
+        start_time=start,
+        end_time=end,
         instrumentation_scope=SCOPE,
     )
 
@@ -113,13 +108,13 @@ def verdict_attributes(verdict: Verdict) -> dict[str, Any]:
         c.UNTRACKED_MS: round(verdict.untracked_ms, 3),
     }
     if verdict.breakdown:
-        attrs[c.STAGES] = list(verdict.breakdown)
-        attrs[c.STAGES_MS] = [round(v, 3) for v in verdict.breakdown.values()]
+        attrs[c.STAGES] = tuple(verdict.breakdown)
+        attrs[c.STAGES_MS] = tuple(round(v, 3) for v in verdict.breakdown.values())
     if verdict.bottleneck is not None:
         attrs[c.BOTTLENECK_STAGE] = verdict.bottleneck
         attrs[c.BOTTLENECK_RATIO] = round(verdict.ratio, 4)
     if verdict.diagnoses:
-        attrs[c.DIAGNOSIS] = list(verdict.diagnosis_codes)
+        attrs[c.DIAGNOSIS] = verdict.diagnosis_codes
     if verdict.gpu_utilization is not None:
         attrs[c.GPU_UTILIZATION] = round(verdict.gpu_utilization, 4)
     return attrs
@@ -139,17 +134,29 @@ def diagnosis_events(verdict: Verdict, timestamp_ns: int) -> tuple[Event, ...]:
     return tuple(events)
 
 
+class RebuiltSpan(ReadableSpan):
+    """A rebuilt root that keeps the original's dropped-attribute count.
+
+    Its attributes are a plain dict: the originals were validated by the SDK and the verdict's are built
+    clean, so re-validating them through BoundedAttributes would only cost time.
+    """
+
+    _dropped_attributes = 0
+
+    @property
+    def dropped_attributes(self) -> int:
+        return self._dropped_attributes
+
+
 def root_with_verdict(root: ReadableSpan, verdict: Verdict) -> ReadableSpan:
     """The finished local root, rebuilt with the verdict attributes and diagnosis events.
 
     Rebuilding is the supported way: the SDK freezes a span's attributes before any processor sees it.
     """
-    merged: dict[str, Any] = dict(root.attributes or {})
-    merged.update(verdict_attributes(verdict))
-    attributes = BoundedAttributes(maxlen=None, attributes=merged, immutable=True)
-    attributes.dropped = root.dropped_attributes
+    attributes: dict[str, Any] = dict(root.attributes or {})
+    attributes.update(verdict_attributes(verdict))
     events: Sequence[Event] = tuple(root.events) + diagnosis_events(verdict, root.end_time or 0)
-    return ReadableSpan(
+    rebuilt = RebuiltSpan(
         name=root.name,
         context=root.context,
         parent=root.parent,
@@ -163,3 +170,5 @@ def root_with_verdict(root: ReadableSpan, verdict: Verdict) -> ReadableSpan:
         end_time=root.end_time,
         instrumentation_scope=root.instrumentation_scope,
     )
+    rebuilt._dropped_attributes = root.dropped_attributes
+    return rebuilt

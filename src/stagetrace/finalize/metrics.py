@@ -11,7 +11,7 @@ from opentelemetry.metrics import Meter
 from opentelemetry.trace import NonRecordingSpan, SpanContext, set_span_in_context
 
 from stagetrace import conventions as c
-from stagetrace.analysis import StageSample, Verdict
+from stagetrace.analysis import Verdict
 
 OVERFLOW_STAGE = "_other"
 
@@ -49,6 +49,7 @@ class StagetraceMetrics:
         )
         self._max_stage_names = max_stage_names
         self._stage_names: set[str] = set()
+        self._attr_cache: dict[tuple[str, str, str | None], dict[str, Any]] = {}
         self._names_lock = threading.Lock()
 
     def _stage_label(self, name: str) -> str:
@@ -61,23 +62,29 @@ class StagetraceMetrics:
         self.dropped("stage_name_cardinality")
         return OVERFLOW_STAGE
 
-    def record_stage(self, name: str, kind: str, ms: float, route: str | None, ctx: Context | None) -> None:
-        attrs: dict[str, Any] = {c.STAGE: self._stage_label(name), c.STAGE_KIND: kind}
-        if route:
-            attrs[c.HTTP_ROUTE] = route
-        self._stage_duration.record(ms, attrs, context=ctx)
+    def _stage_attrs(self, name: str, kind: str, route: str | None) -> dict[str, Any]:
+        key = (name, kind, route)
+        attrs = self._attr_cache.get(key)
+        if attrs is None:
+            attrs = {c.STAGE: self._stage_label(name), c.STAGE_KIND: kind}
+            if route:
+                attrs[c.HTTP_ROUTE] = route
+            if len(self._attr_cache) < 4 * self._max_stage_names:
+                self._attr_cache[key] = attrs
+        return attrs
 
-    def record_trace(
-        self,
-        verdict: Verdict,
-        samples: list[StageSample],
-        charged_ms: tuple[float | None, ...],
-        ctx: Context | None,
-    ) -> None:
+    def record_stage(self, name: str, kind: str, ms: float, route: str | None, ctx: Context | None = None) -> None:
+        self._stage_duration.record(ms, self._stage_attrs(name, kind, route), context=ctx)
+
+    def record_trace(self, verdict: Verdict, ctx: Context | None) -> None:
+        """One stage observation per stage name per request (its share of the breakdown, occurrences
+        summed), so a stage's percentiles are per request like the trace's. The exemplar, which links a
+        latency panel to the trace in Jaeger, goes on the trace duration and on the bottleneck stage: the
+        traces worth opening from a stage panel are the ones that stage slowed down."""
         route = verdict.route
-        for sample, ms in zip(samples, charged_ms):
-            if ms is not None:
-                self.record_stage(sample.name, sample.kind, ms, route, ctx)
+        kinds = verdict.stage_kinds
+        for name, ms in verdict.breakdown.items():
+            self.record_stage(name, kinds.get(name, "cpu"), ms, route, ctx if name == verdict.bottleneck else None)
         attrs: dict[str, Any] = {c.SLOW: verdict.slow}
         if route:
             attrs[c.HTTP_ROUTE] = route
