@@ -60,6 +60,19 @@ def stage_attributes(rec: StageRecord, extra: Mapping[str, Any] | None = None) -
 _UNSET = Status(StatusCode.UNSET)
 
 
+def _valid_span_context(trace_id: int, span_id: int, flags: TraceFlags, state: TraceState | None) -> SpanContext:
+    """SpanContext for ids that are valid by construction (a tracked trace, ids from getrandbits or 1);
+    skips re-validation when SpanContext has its known tuple layout."""
+    if _TUPLE_LAYOUT:
+        return tuple.__new__(SpanContext, (trace_id, span_id, False, flags, state or _EMPTY_STATE, True))
+    return SpanContext(trace_id, span_id, False, flags, state)  # pragma: no cover
+
+
+_EMPTY_STATE = TraceState()
+_probe = SpanContext(0xA, 0xB, False, TraceFlags(1))
+_TUPLE_LAYOUT = tuple(_probe) == (0xA, 0xB, False, _probe.trace_flags, _probe.trace_state, True)
+
+
 def _error_parts(rec: StageRecord, end_ns: int) -> tuple[Status, tuple[Event, ...]]:
     if rec.error is None:
         return _UNSET, ()
@@ -87,8 +100,8 @@ def stage_span(
     status, events = _error_parts(rec, end)
     return ReadableSpan(
         name=rec.name,
-        context=SpanContext(rec.trace_id, rec.span_id, False, trace_flags, trace_state),
-        parent=SpanContext(rec.trace_id, rec.parent_span_id, False, trace_flags, trace_state),
+        context=_valid_span_context(rec.trace_id, rec.span_id, trace_flags, trace_state),
+        parent=_valid_span_context(rec.trace_id, rec.parent_span_id, trace_flags, trace_state),
         resource=resource,
         attributes=attributes,
         events=events,

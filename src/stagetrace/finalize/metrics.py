@@ -14,6 +14,7 @@ from stagetrace import conventions as c
 from stagetrace.analysis import Verdict
 
 OVERFLOW_STAGE = "_other"
+_NO_SPAN = Context()
 
 # Bucket edges in ms for the latency histograms: request pipelines live between ~0.1 ms stages and
 # multi-second slow traces.
@@ -74,7 +75,9 @@ class StagetraceMetrics:
         return attrs
 
     def record_stage(self, name: str, kind: str, ms: float, route: str | None, ctx: Context | None = None) -> None:
-        self._stage_duration.record(ms, self._stage_attrs(name, kind, route), context=ctx)
+        # An explicit empty context: the exemplar filter then finds no span at once, without reading the
+        # finalizer thread's current context.
+        self._stage_duration.record(ms, self._stage_attrs(name, kind, route), context=ctx or _NO_SPAN)
 
     def record_trace(self, verdict: Verdict, ctx: Context | None) -> None:
         """One stage observation per stage name per request (its share of the breakdown, occurrences
