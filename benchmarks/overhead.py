@@ -25,11 +25,11 @@ from collections.abc import Callable, Sequence
 os.environ.setdefault("OTEL_BSP_MAX_QUEUE_SIZE", "1000000")
 os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "200")
 
-from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans  # noqa: E402
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider  # noqa: E402
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult  # noqa: E402
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-import stagetrace  # noqa: E402
+import stagetrace
 
 
 class NoopExporter(SpanExporter):
@@ -152,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         ("d", "stagetrace total, all threads, incl. finalizer + OTLP encoding", med["d"]),
         ("", "SDK OTLP protobuf encoding of one span (reference)", encode),
     ]
-    print(f"stagetrace overhead per stage: {p} pipelines x {k} stages, {args.rounds} rounds, median; "
-          f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+    print(
+        f"stagetrace overhead per stage: {p} pipelines x {k} stages, {args.rounds} rounds, median; "
+        f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
+    )
     print(f"{'':2} {'variant':68} {'us/stage':>9} {'x (b)':>7}")
     for key, label, us in rows:
         print(f"{key:2} {label:68} {us:9.2f} {us / b:7.3f}")

@@ -57,6 +57,7 @@ class Runtime:
         self.max_stages_per_trace = settings.max_stages_per_trace
         self.lookup_trace = self.registry.lookup_function()
         self.cpu_signals: Any = None  # set by the CPU-signal sampler when enabled
+        self.gpu: Any = None  # GpuSupport, when attached
 
     @staticmethod
     def new_span_id() -> int:

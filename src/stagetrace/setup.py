@@ -70,6 +70,8 @@ class StagetraceHandle:
         self._shut = True
         if self.runtime is None:
             return
+        if self.runtime.gpu is not None:
+            self.runtime.gpu.shutdown()
         if _state.runtime is self.runtime:
             _state.runtime = None
         if timeout_s is not None:
@@ -202,12 +204,8 @@ def configure(
 
 def _enable_gpu(runtime: Runtime, required: bool) -> None:
     """Hook for the GPU timer and NVML sampler (stagetrace.gpu); absent pieces switch off with a warning."""
-    try:
-        from stagetrace.gpu import attach_gpu  # type: ignore[attr-defined]
-    except ImportError:
-        if required:
-            logger.warning("stagetrace: gpu=True but GPU support is not available in this build")
-        return
+    from stagetrace.gpu import attach_gpu
+
     attach_gpu(runtime, required=required)
 
 

@@ -36,9 +36,9 @@ from stagetrace.settings import Settings
 
 
 class Finalizer:
-    """``gpu_timer`` (optional) resolves CUDA events: ``ready(rec)`` says whether a stage's events completed
-    (never blocking) and ``resolve(rec, perf_to_epoch_ns)`` returns its GPU fields. ``signals(trace, root)``
-    (optional) returns the process-level ``TraceSignals`` for the trace's window."""
+    """``gpu`` (optional, set by GPU support) says whether a trace's CUDA events completed and NVML samples
+    arrived (``ready``, never blocking), resolves each stage's GPU fields (``resolve``) and does periodic
+    work on this thread (``tick``). ``signal_sources`` return partial ``TraceSignals`` fields for a trace."""
 
     def __init__(
         self,
@@ -49,8 +49,6 @@ class Finalizer:
         resource: Any,
         registry: Any,
         on_verdict: Sequence[Callable[[Verdict], Any]] = (),
-        gpu_timer: Any = None,
-        signals: Callable[[TraceRecord, ReadableSpan], TraceSignals] | None = None,
     ) -> None:
         self.downstream = downstream
         self.metrics = metrics
@@ -58,8 +56,8 @@ class Finalizer:
         self.resource = resource
         self.registry = registry
         self.on_verdict = list(on_verdict)
-        self.gpu_timer = gpu_timer
-        self.signals = signals
+        self.gpu: Any = None
+        self.signal_sources: dict[str, Callable[[TraceRecord, ReadableSpan], dict[str, Any]]] = {}
         self._slow_log = RateLimitedLog(per_interval=settings.slow_log_per_minute, interval_s=60.0)
         self._init_state()
         ref = weakref.ref(self)
@@ -165,6 +163,11 @@ class Finalizer:
             if self._stopped and not self._items:
                 self._drain_parked(force=True)
                 return
+            if self.gpu is not None:
+                try:
+                    self.gpu.tick()
+                except Exception:
+                    report_internal_error("GPU tick")
             now = time.monotonic()
             if now - self._last_sweep >= self.settings.sweep_interval_s:
                 self._last_sweep = now
@@ -191,10 +194,11 @@ class Finalizer:
                 self._forward(item[1])
 
     def _gpu_ready(self, item: Any) -> bool:
-        if self.gpu_timer is None:
+        if self.gpu is None:
             return True
-        stages = [item] if isinstance(item, StageRecord) else item[0].stages
-        return all(self.gpu_timer.ready(s) for s in stages if s.gpu is not None)
+        if isinstance(item, StageRecord):
+            return self.gpu.ready((item,), None)
+        return self.gpu.ready(tuple(item[0].stages), item[1].end_time)
 
     def _drain_parked(self, force: bool) -> None:
         now = time.monotonic()
@@ -217,10 +221,21 @@ class Finalizer:
             report_internal_error("export processor")
 
     def _resolve_gpu(self, stages: list[StageRecord], perf_to_epoch_ns: int) -> None:
-        if self.gpu_timer is not None:
+        gpu = self.gpu
+        if gpu is not None:
             for rec in stages:
-                if rec.gpu is not None:
-                    mat.apply_gpu_fields(rec, self.gpu_timer.resolve(rec, perf_to_epoch_ns))
+                mat.apply_gpu_fields(rec, gpu.resolve(rec, perf_to_epoch_ns))
+
+    def _signals(self, trace: TraceRecord, root: ReadableSpan) -> TraceSignals:
+        if not self.signal_sources:
+            return TraceSignals()
+        fields: dict[str, Any] = {}
+        for source in self.signal_sources.values():
+            try:
+                fields.update(source(trace, root))
+            except Exception:
+                report_internal_error("trace signals")
+        return TraceSignals(**fields)
 
     def _process_trace(self, trace: TraceRecord, root: ReadableSpan) -> None:
         with trace.lock:
@@ -234,7 +249,7 @@ class Finalizer:
         # The records are analysed as they are, in perf-counter time: the root moves to that clock.
         root_start, root_end = (root.start_time or 0) - offset, (root.end_time or 0) - offset
         analysis = analyse_trace(root_start, root_end, stages, self.settings.threshold_for(route))
-        signals = self.signals(trace, root) if self.signals is not None else TraceSignals()
+        signals = self._signals(trace, root)
         verdict = build_verdict(
             trace_id=format_trace_id(trace.trace_id),
             root_name=root.name,

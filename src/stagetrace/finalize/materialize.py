@@ -23,11 +23,21 @@ SCOPE = InstrumentationScope(c.INSTRUMENTATION_NAME, __version__)
 
 
 def apply_gpu_fields(rec: StageRecord, gpu: Mapping[str, Any] | None) -> None:
-    """Copy what the GPU timer resolved (gpu_ms, bytes, pinned, utilisation) onto the record."""
-    if gpu:
-        for key in ("gpu_ms", "h2d_bytes", "h2d_pinned", "gpu_utilization"):
-            if key in gpu:
-                setattr(rec, key, gpu[key])
+    """Copy what GPU support resolved onto the record. With a clock anchor the stage moves to where its GPU
+    work really ran, and its host-side duration is kept as an attribute."""
+    if not gpu:
+        return
+    if "gpu_start_ns" in gpu:
+        rec.set_attribute(c.HOST_DURATION_MS, round(rec.wall_ms, 3))
+        rec.start_ns, rec.end_ns = gpu["gpu_start_ns"], gpu["gpu_end_ns"]
+    if "gpu_ms" in gpu:
+        rec.gpu_ms = gpu["gpu_ms"]
+    if "gpu_utilization" in gpu:
+        rec.gpu_utilization = gpu["gpu_utilization"]
+        rec.set_attribute(c.GPU_UTILIZATION_MIN, gpu["gpu_utilization_min"])
+        rec.set_attribute(c.GPU_UTILIZATION_MAX, gpu["gpu_utilization_max"])
+    if "gpu_memory_used" in gpu:
+        rec.set_attribute(c.GPU_MEMORY_USED, gpu["gpu_memory_used"])
 
 
 _SIGNAL_ATTRIBUTES = (
@@ -43,15 +53,16 @@ _SIGNAL_ATTRIBUTES = (
 
 def stage_attributes(rec: StageRecord, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     attrs: dict[str, Any] = {c.STAGE: rec.name, c.STAGE_KIND: rec.kind}
-    if rec.attributes:
-        attrs.update(rec.attributes)
-    if rec.cpu is not None or rec.gpu is not None:  # signals are only ever set alongside these handles
+    extras = rec.__dict__  # signals live here only once set; most stages have none
+    if extras:
         for field_name, key in _SIGNAL_ATTRIBUTES:
-            value = getattr(rec, field_name)
+            value = extras.get(field_name)
             if value is not None:
                 attrs[key] = value
     if rec.on_event_loop:
         attrs[c.ON_EVENT_LOOP] = True
+    if rec.attributes:
+        attrs.update(rec.attributes)
     if extra:
         attrs.update(extra)
     return attrs

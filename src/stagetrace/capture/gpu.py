@@ -1,0 +1,140 @@
+"""``gpu_stage``, ``h2d`` and ``d2h``: GPU stages timed with CUDA events recorded on the current stream.
+
+The request thread only records events (no query, no synchronize); the finalizer reads them once they have
+completed. Without CUDA (or before the application initialised it) the same calls time wall clock and still
+note copy sizes and whether the source was pinned.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, TypeVar
+
+from stagetrace._safety import report_internal_error
+from stagetrace.capture.records import StageRecord
+from stagetrace.capture.stage import _STAGE_KEY, NULL_STAGE, _get_context, enter_stage, exit_stage, validate_stage_name
+
+T = TypeVar("T")
+
+
+def _gpu_start(rec: StageRecord | None, device: Any) -> None:
+    if rec is None:
+        return
+    gpu = getattr(rec.runtime, "gpu", None)
+    if gpu is None:
+        return
+    try:
+        gpu.start(rec, gpu.backend.device_index(device) if device is not None else _default_device(gpu))
+    except Exception:
+        report_internal_error("GPU stage start")
+        rec.gpu = None
+
+
+def _default_device(gpu: Any) -> int | None:
+    return gpu.backend.default_device() if gpu.backend.usable() else None
+
+
+def _gpu_finish(rec: StageRecord | None) -> None:
+    if rec is None or rec.gpu is None:
+        return
+    try:
+        rec.runtime.gpu.finish(rec)
+    except Exception:
+        report_internal_error("GPU stage end")
+        rec.gpu = None
+
+
+class GpuStage:
+    """What ``gpu_stage()`` returns: a decorator and (async) context manager, like ``stage()``."""
+
+    __slots__ = ("device", "kind", "name")
+
+    def __init__(self, name: str, kind: str = "gpu", device: Any = None) -> None:
+        self.name = validate_stage_name(name)
+        self.kind = kind
+        self.device = device
+
+    def __enter__(self) -> Any:
+        rec = enter_stage(self.name, self.kind, self)
+        _gpu_start(rec, self.device)
+        return rec or NULL_STAGE
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        rec = _get_context().get(_STAGE_KEY)
+        if rec is not None and rec.owner is self and not rec.end_ns:
+            _gpu_finish(rec)
+            exit_stage(rec, exc)
+
+    async def __aenter__(self) -> Any:
+        return self.__enter__()
+
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+    def __call__(self, fn: Any) -> Any:
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                async with GpuStage(self.name, self.kind, self.device):
+                    return await fn(*args, **kwargs)
+
+            return async_wrapper
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with GpuStage(self.name, self.kind, self.device):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+
+def gpu_stage(name: str, device: Any = None) -> GpuStage:
+    """A stage charged its GPU time: CUDA events on the current stream of ``device`` (default: the current
+    CUDA device), resolved off-thread. Use it around the model's forward pass."""
+    return GpuStage(name, "gpu", device)
+
+
+def _note_copy(rec: StageRecord | None, tensor: Any, kind: str) -> None:
+    if rec is None:
+        return
+    try:
+        nbytes = int(tensor.numel()) * int(tensor.element_size())
+        if kind == "h2d":
+            rec.h2d_bytes = nbytes
+            rec.h2d_pinned = bool(tensor.is_pinned())
+        else:
+            rec.set_attribute("stagetrace.d2h.bytes", nbytes)
+    except Exception:
+        report_internal_error("copy metadata")
+
+
+def _timed_copy(name: str, kind: str, tensor: Any, target: Any, event_device: Any, non_blocking: bool) -> Any:
+    rec = enter_stage(name, kind)
+    _note_copy(rec, tensor, kind)
+    _gpu_start(rec, event_device)
+    try:
+        out = tensor.to(target, non_blocking=non_blocking)
+    except BaseException as e:
+        _gpu_finish(rec)
+        exit_stage(rec, e)
+        raise
+    _gpu_finish(rec)
+    exit_stage(rec, None)
+    return out
+
+
+def h2d(tensor: T, device: Any, non_blocking: bool = True, *, name: str = "h2d") -> T:
+    """``tensor.to(device, non_blocking=...)`` as an ``h2d`` stage: bytes, whether the source was pinned,
+    and the copy's GPU time. A pageable source makes a non-blocking copy synchronous (PAGEABLE_H2D)."""
+    return _timed_copy(name, "h2d", tensor, device, device, non_blocking)
+
+
+def d2h(tensor: T, non_blocking: bool = False, *, name: str = "d2h") -> T:
+    """``tensor.to("cpu")`` as a ``d2h`` stage. The copy's GPU time is measured between events on the source
+    stream, so the host time spent waiting for earlier kernels (inference) is not charged to it."""
+    return _timed_copy(name, "d2h", tensor, "cpu", getattr(tensor, "device", None), non_blocking)
+
+
+__all__ = ["d2h", "gpu_stage", "h2d"]
