@@ -52,7 +52,7 @@ def test_gpu_time_charged_to_the_stage_that_did_the_work(gpu_world):
 
 
 def test_the_classic_host_timer_blames_d2h_in_the_same_pipeline(gpu_world):
-    h, gpu, _ = gpu_world()
+    _h, gpu, _ = gpu_world()
     profiler = stagetrace.InferencePipelineProfiler()
     profiler.start()
     x = FakeTensor(gpu, 4 << 20, pinned=True).to("cuda:0", non_blocking=True)
@@ -137,7 +137,7 @@ def test_no_event_is_queried_during_a_cuda_graph_capture(gpu_world):
 
 
 def test_stage_inside_a_capture_on_this_thread_records_no_events(gpu_world):
-    h, gpu, support = gpu_world()
+    h, _gpu, support = gpu_world()
     graph = support.backend.Graph()
     graph.capture_begin()
     with stagetrace.pipeline("captured"), stagetrace.gpu_stage("infer"):
