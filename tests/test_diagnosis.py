@@ -77,6 +77,18 @@ def test_queueing_from_wait_stages():
     assert "QUEUEING" not in run([cpu("threadpool.wait", 0, 2, kind="wait"), cpu("work", 2, 100)])
 
 
+def test_a_wait_while_the_pool_had_capacity_is_not_queueing():
+    saturated = [cpu("threadpool.wait", 0, 40, kind="wait", queue_saturated=True), cpu("work", 40, 100)]
+    assert "QUEUEING" in run(saturated)
+    free = [cpu("threadpool.wait", 0, 40, kind="wait", queue_saturated=False), cpu("work", 40, 100)]
+    assert "QUEUEING" not in run(free)
+
+
+def test_blocked_stage_without_gil_measurement_is_not_blamed_on_a_lock():
+    blocked = [cpu("tokenize", 0, 50, cpu_ms=10, blocked_ms=38, runqueue_ms=2)]
+    assert {"GIL_CONTENTION", "LOCK_OR_IO_WAIT"}.isdisjoint(run(blocked))
+
+
 def test_untracked_time_needs_stages_and_a_large_share():
     assert "UNTRACKED_TIME" in run([cpu("decode", 0, 20)])
     assert "UNTRACKED_TIME" not in run([])  # a trace with no stages is not a stagetrace pipeline

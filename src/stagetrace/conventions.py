@@ -19,6 +19,7 @@ H2D_BYTES = "stagetrace.h2d.bytes"
 H2D_PINNED = "stagetrace.h2d.pinned"
 HOST_DURATION_MS = "stagetrace.host.duration_ms"
 LATE = "stagetrace.late"
+QUEUE_SATURATED = "stagetrace.queue.saturated"
 
 # --- verdict attributes, on the trace's local root span --------------------------------------------------
 TOTAL_MS = "stagetrace.total_ms"
@@ -31,6 +32,9 @@ STAGES = "stagetrace.stages"
 STAGES_MS = "stagetrace.stages_ms"
 DIAGNOSIS = "stagetrace.diagnosis"
 # GPU_UTILIZATION is reused on the root for the mean over the trace.
+# Extensions beyond the contract: the process signals the diagnosis was judged on.
+GIL_PRESSURE_MS = "stagetrace.gil.pressure_ms"
+LOOP_LAG_MS = "stagetrace.loop.lag_ms"
 
 # --- span events -----------------------------------------------------------------------------------------
 DIAGNOSIS_EVENT = "stagetrace.diagnosis"

@@ -12,8 +12,7 @@ from opentelemetry.trace import format_trace_id, get_current_span
 
 from stagetrace import _state
 from stagetrace.analysis import StageSample, analyse_trace
-from stagetrace.capture.records import StageRecord
-from stagetrace.capture.stage import Pipeline, enter_stage, exit_stage, validate_stage_name
+from stagetrace.capture.stage import Pipeline, add_stage, validate_stage_name
 
 logger = logging.getLogger("stagetrace")
 
@@ -51,11 +50,7 @@ class InferencePipelineProfiler:
         self._mark_ns = now
 
     def _emit_span(self, name: str, start_ns: int, end_ns: int) -> None:
-        rec: StageRecord | None = enter_stage(name, "cpu")
-        if rec is None:
-            return
-        exit_stage(rec, None)
-        rec.start_ns, rec.end_ns = start_ns, end_ns  # the stage ran between the marks, not just now
+        add_stage(name, "cpu", start_ns, end_ns)  # the stage ran between the marks, not just now
 
     def analyze_and_report(self) -> dict[str, Any]:
         if not self._start_ns:

@@ -25,6 +25,9 @@ class Settings:
     gpu_wait_timeout_s: float = 30.0
     slow_log_per_minute: int = 60
     shutdown_timeout_s: float = 5.0
+    cpu_signals: bool = True  # per-stage on-CPU / run-queue / blocked time (two schedstat reads per stage)
+    gil_sampler_period_s: float = 0.005  # 0 turns the GIL-pressure sampler off
+    loop_lag_interval_s: float = 0.025
 
     def threshold_for(self, route: str | None) -> float:
         if route and route in self.route_slow_thresholds_ms:

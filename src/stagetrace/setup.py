@@ -15,7 +15,6 @@ from opentelemetry import metrics as metrics_api
 from opentelemetry import trace as trace_api
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
-from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import SpanProcessor, SynchronousMultiSpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
@@ -24,10 +23,8 @@ from opentelemetry.sdk.trace.sampling import Sampler, _get_from_env_or_default
 from stagetrace import _state
 from stagetrace._safety import logger
 from stagetrace.analysis import DiagnosisThresholds, Verdict
-from stagetrace.conventions import METRIC_STAGE_DURATION, METRIC_TRACE_DURATION
 from stagetrace.export.env import metric_readers_from_env, span_exporters_from_env
 from stagetrace.export.files import JsonLinesSpanExporter, default_traces_path
-from stagetrace.finalize.metrics import MS_BUCKETS
 from stagetrace.finalize.sampler import LocalRootRecordingSampler
 from stagetrace.runtime import Runtime
 from stagetrace.settings import Settings, env_flag, slow_threshold_from_env
@@ -45,8 +42,11 @@ class StagetraceHandle:
         tracer_provider: TracerProvider | None = None,
         meter_provider: MeterProvider | None = None,
         traces_path: Path | None = None,
+        detach: Callable[[], None] | None = None,
     ) -> None:
+        """``detach``: for a handle from ``attach()``, undoes the wrapping instead of shutting providers down."""
         self.runtime = runtime
+        self._detach = detach
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
         self.traces_path = traces_path
@@ -70,14 +70,17 @@ class StagetraceHandle:
         self._shut = True
         if self.runtime is None:
             return
-        if self.runtime.gpu is not None:
-            self.runtime.gpu.shutdown()
+        self.runtime.shutdown_samplers()
         if _state.runtime is self.runtime:
             _state.runtime = None
         if timeout_s is not None:
             self.runtime.settings.shutdown_timeout_s = timeout_s
-        self.tracer_provider.shutdown()
-        self.meter_provider.shutdown(timeout_millis=int(self.runtime.settings.shutdown_timeout_s * 1000))
+        if self._detach is not None:
+            self.runtime.finalizer.shutdown(self.runtime.settings.shutdown_timeout_s)
+            self._detach()
+        else:
+            self.tracer_provider.shutdown()
+            self.meter_provider.shutdown(timeout_millis=int(self.runtime.settings.shutdown_timeout_s * 1000))
         with _lock:
             if _current_handle is self:
                 _current_handle = None
@@ -174,15 +177,7 @@ def configure(
         downstream = SynchronousMultiSpanProcessor()
         for p in exporting:
             downstream.add_span_processor(p)
-    meter_provider = MeterProvider(
-        metric_readers=readers,
-        resource=resource,
-        views=[
-            View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(MS_BUCKETS))
-            for name in (METRIC_STAGE_DURATION, METRIC_TRACE_DURATION)
-        ],
-        shutdown_on_exit=False,
-    )
+    meter_provider = MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False)
     runtime = Runtime(
         tracer_provider=tracer_provider,
         meter_provider=meter_provider,
@@ -199,6 +194,50 @@ def configure(
         _set_globals(tracer_provider, meter_provider)
     if path is not None:
         logger.info("stagetrace: no exporter configured; writing OTLP JSON lines to %s", path)
+    return handle
+
+
+def attach(
+    tracer_provider: TracerProvider,
+    meter_provider: Any = None,
+    *,
+    on_verdict: Callable[[Verdict], Any] | Sequence[Callable[[Verdict], Any]] | None = None,
+    settings: Settings | None = None,
+    gpu: bool | None = None,
+) -> StagetraceHandle:
+    """Put stagetrace in front of an existing SDK TracerProvider's processors (a user's distro, configurator
+    or own setup): their exporters then receive the verdict-bearing roots and the stage spans. Nothing of
+    theirs is replaced; ``handle.shutdown()`` restores the processors as they were."""
+    multi = getattr(tracer_provider, "_active_span_processor", None)
+    if not isinstance(getattr(multi, "_span_processors", None), tuple) or not hasattr(multi, "_lock"):
+        raise TypeError("stagetrace.attach() needs an SDK TracerProvider with the standard processor chain")
+    settings = settings or Settings(slow_threshold_ms=slow_threshold_from_env())
+    settings.validate()
+    downstream = SynchronousMultiSpanProcessor()
+    runtime = Runtime(
+        tracer_provider=tracer_provider,
+        meter_provider=meter_provider or metrics_api.get_meter_provider(),
+        downstream=downstream,
+        settings=settings,
+        on_verdict=_as_list(on_verdict),
+        install=False,
+    )
+    with multi._lock:
+        original = multi._span_processors
+        downstream._span_processors = original
+        multi._span_processors = (runtime.processor,)
+
+    def detach() -> None:
+        with multi._lock:
+            current = multi._span_processors
+            added_since = tuple(p for p in current if p is not runtime.processor)
+            multi._span_processors = downstream._span_processors + added_since
+
+    if gpu is not False:
+        _enable_gpu(runtime, required=gpu is True)
+    handle = StagetraceHandle(runtime, tracer_provider, meter_provider, None, detach=detach)
+    _replace_handle(handle)
+    _state.runtime = runtime
     return handle
 
 

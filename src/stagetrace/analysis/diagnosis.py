@@ -27,7 +27,8 @@ class DiagnosisThresholds:
     gpu_starved_utilization: float = 0.30
     gpu_starved_cpu_share: float = 0.50
     pageable_min_bytes: int = 64 * 1024
-    blocked_share: float = 0.40  # of a CPU stage's wall time
+    blocked_share: float = 0.30  # of a CPU stage's wall time
+    blocked_min_ms: float = 5.0  # and at least this much: a few ms lost to other threads is normal
     gil_pressure_ms: float = 2.0  # sampler wake-up lag (p50 over the request) meaning "GIL is contended"
     runqueue_share: float = 0.30
     event_loop_stage_ms: float = 20.0
@@ -135,7 +136,9 @@ def pageable_h2d(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSign
 
 def _blocked_stage(stages: Sequence[StageSample], th: DiagnosisThresholds) -> StageSample | None:
     candidates = [
-        s for s in _cpu_stages(stages, th) if s.blocked_ms is not None and s.blocked_ms >= th.blocked_share * s.wall_ms
+        s
+        for s in _cpu_stages(stages, th)
+        if s.blocked_ms is not None and s.blocked_ms >= max(th.blocked_min_ms, th.blocked_share * s.wall_ms)
     ]
     return max(candidates, key=lambda s: s.blocked_ms or 0.0) if candidates else None
 
@@ -153,8 +156,9 @@ def gil_contention(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSi
 
 
 def lock_or_io_wait(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+    # Needs a measured GIL pressure: without one, "blocked" cannot be told apart from GIL contention.
     s = _blocked_stage(stages, th)
-    if s is None or (sig.gil_pressure_ms is not None and sig.gil_pressure_ms >= th.gil_pressure_ms):
+    if s is None or sig.gil_pressure_ms is None or sig.gil_pressure_ms >= th.gil_pressure_ms:
         return None
     return _make(
         "LOCK_OR_IO_WAIT",
@@ -195,10 +199,13 @@ def event_loop_blocked(a: TraceAnalysis, stages: Sequence[StageSample], sig: Tra
 
 
 def queueing(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
-    wait_ms = sum(ms for name, ms in a.breakdown.items() if a.stage_kinds.get(name) == "wait")
+    # A wait measured while its pool had free capacity is dispatch latency (often GIL contention), not a
+    # queue: only waits not known to be unsaturated count.
+    waits = [s for s in stages if s.kind == "wait" and s.queue_saturated is not False]
+    wait_ms = sum(s.wall_ms for s in waits)
     if wait_ms < th.queueing_ms or a.total_ms <= 0 or wait_ms < th.queueing_share * a.total_ms:
         return None
-    names = [n for n, k in a.stage_kinds.items() if k == "wait"]
+    names = list(dict.fromkeys(s.name for s in waits))
     return _make(
         "QUEUEING",
         f"the request queued {wait_ms:.1f} ms ({wait_ms / a.total_ms:.0%}) in {', '.join(names)}",

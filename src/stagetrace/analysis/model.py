@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from stagetrace.analysis.breakdown import TraceAnalysis
-    from stagetrace.analysis.diagnosis import Diagnosis
+    from stagetrace.analysis.diagnosis import Diagnosis, TraceSignals
 
 
 @dataclass(slots=True, eq=False)
@@ -38,6 +38,7 @@ class StageSample:
     h2d_bytes: int | None = None
     h2d_pinned: bool | None = None
     gpu_utilization: float | None = None
+    queue_saturated: bool | None = None  # for wait stages: was the pool full when the request queued?
 
     @property
     def wall_ms(self) -> float:
@@ -66,6 +67,8 @@ class Verdict:
     gpu_utilization: float | None = None
     sampled: bool = True
     stage_kinds: Mapping[str, str] = field(default_factory=dict)
+    gil_pressure_ms: float | None = None
+    loop_lag_ms: float | None = None
 
     @property
     def diagnosis_codes(self) -> tuple[str, ...]:
@@ -79,7 +82,7 @@ def build_verdict(
     analysis: TraceAnalysis,
     diagnoses: tuple[Diagnosis, ...],
     route: str | None = None,
-    gpu_utilization: float | None = None,
+    signals: TraceSignals | None = None,
     sampled: bool = True,
 ) -> Verdict:
     return Verdict(
@@ -94,7 +97,9 @@ def build_verdict(
         untracked_ms=analysis.untracked_ms,
         diagnoses=diagnoses,
         route=route,
-        gpu_utilization=gpu_utilization,
+        gpu_utilization=signals.gpu_utilization if signals else None,
+        gil_pressure_ms=signals.gil_pressure_ms if signals else None,
+        loop_lag_ms=signals.loop_lag_ms if signals else None,
         sampled=sampled,
         stage_kinds=analysis.stage_kinds,
     )

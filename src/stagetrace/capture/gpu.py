@@ -67,7 +67,9 @@ class GpuStage:
             exit_stage(rec, exc)
 
     async def __aenter__(self) -> Any:
-        return self.__enter__()
+        rec = enter_stage(self.name, self.kind, self, sync=False)
+        _gpu_start(rec, self.device)
+        return rec or NULL_STAGE
 
     async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         self.__exit__(exc_type, exc, tb)

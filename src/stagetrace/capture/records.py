@@ -74,6 +74,7 @@ class StageRecord(NonRecordingSpan):
     h2d_bytes: int | None = None
     h2d_pinned: bool | None = None
     gpu_utilization: float | None = None
+    queue_saturated: bool | None = None
 
     def __init__(
         self,

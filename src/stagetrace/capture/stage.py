@@ -12,6 +12,7 @@ import inspect
 import random
 import time
 import traceback
+from asyncio import _get_running_loop
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -132,7 +133,9 @@ def _close_root(active: _ActiveRoot, exc: BaseException | None) -> None:
         report_internal_error("pipeline exit")
 
 
-def enter_stage(name: str, kind: str, owner: Any = None) -> StageRecord | None:
+def enter_stage(name: str, kind: str, owner: Any = None, sync: bool = True) -> StageRecord | None:
+    """``sync``: the stage runs without yielding to other tasks (not ``async with``/``async def``), so CPU
+    accounting applies and running on the event-loop thread means blocking it."""
     rt = _state.runtime
     if rt is None:
         return None
@@ -174,9 +177,12 @@ def enter_stage(name: str, kind: str, owner: Any = None) -> StageRecord | None:
             rec.perf_to_epoch_ns = time.time_ns() - _perf_ns()
         if implicit is not None:
             rec.implicit_root = implicit
-        signals = rt.cpu_signals
-        if signals is not None:
-            signals.on_enter(rec)
+        if sync:
+            if _get_running_loop() is not None:
+                rec.on_event_loop = True
+            signals = rt.cpu_signals
+            if signals is not None:
+                signals.on_enter(rec)
         new = Context(ctx)  # one copy, where set_span_in_context + set_value would make two
         dict.__setitem__(new, _SPAN_KEY, rec)
         dict.__setitem__(new, _STAGE_KEY, rec)
@@ -188,10 +194,10 @@ def enter_stage(name: str, kind: str, owner: Any = None) -> StageRecord | None:
         return None
 
 
-def exit_stage(rec: StageRecord | None, exc: BaseException | None) -> None:
+def exit_stage(rec: StageRecord | None, exc: BaseException | None, end_ns: int | None = None) -> None:
     if rec is None:
         return
-    end = _perf_ns()
+    end = _perf_ns() if end_ns is None else end_ns
     try:
         rec.end_ns = end
         rt = rec.runtime
@@ -199,7 +205,7 @@ def exit_stage(rec: StageRecord | None, exc: BaseException | None) -> None:
             _cv_reset(rec.token)
         except ValueError:  # token made in another context (P10): the API's detach logs it
             detach(rec.token)
-        if rt.cpu_signals is not None:
+        if rec.cpu is not None:
             rt.cpu_signals.on_exit(rec)
         if exc is not None:
             rec.error = describe_exception(exc)
@@ -243,7 +249,9 @@ class Stage:
             exit_stage(rec, exc)
 
     async def __aenter__(self) -> StageRecord | _NullStage:
-        return self.__enter__()
+        if self.name is None:
+            raise ValueError("stagetrace.stage() needs a name when used as a context manager")
+        return enter_stage(self.name, self.kind, self, sync=False) or NULL_STAGE
 
     async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         self.__exit__(exc_type, exc, tb)
@@ -264,7 +272,7 @@ class Stage:
 
             @functools.wraps(fn)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                rec = enter_stage(name, kind)
+                rec = enter_stage(name, kind, None, False)
                 try:
                     result = await fn(*args, **kwargs)
                 except BaseException as e:
@@ -363,6 +371,17 @@ def pipeline(name: str) -> Pipeline:
     """A local root (and verdict) for batch jobs and plain PyTorch loops; inside an existing trace it is
     an ordinary child span and the verdict stays on the trace's local root."""
     return Pipeline(name)
+
+
+def add_stage(name: str, kind: str, start_ns: int, end_ns: int, **fields: Any) -> None:
+    """Record a stage that already happened (``perf_counter_ns`` times), e.g. a queue wait that an
+    integration measured, in the current trace. ``fields`` set analysis fields such as queue_saturated."""
+    rec = enter_stage(name, kind, None, False)
+    if rec is not None:
+        rec.start_ns = start_ns
+        for key, value in fields.items():
+            setattr(rec, key, value)
+        exit_stage(rec, None, end_ns)
 
 
 def current_stage() -> StageRecord | None:

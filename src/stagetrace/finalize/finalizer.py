@@ -29,10 +29,17 @@ from stagetrace.analysis import (
     build_verdict,
     diagnose,
 )
+from stagetrace.capture.cpu import CpuSignals
 from stagetrace.capture.records import StageRecord, TraceRecord
 from stagetrace.finalize import materialize as mat
 from stagetrace.finalize.metrics import StagetraceMetrics, exemplar_context
 from stagetrace.settings import Settings
+
+
+def _resolve_cpu(stages: Sequence[StageRecord]) -> None:
+    for rec in stages:
+        if rec.cpu is not None:
+            CpuSignals.resolve(rec)
 
 
 class Finalizer:
@@ -57,6 +64,7 @@ class Finalizer:
         self.registry = registry
         self.on_verdict = list(on_verdict)
         self.gpu: Any = None
+        self.on_thread_start: list[Callable[[], None]] = []  # samplers to (re)start with this thread
         self.signal_sources: dict[str, Callable[[TraceRecord, ReadableSpan], dict[str, Any]]] = {}
         self._slow_log = RateLimitedLog(per_interval=settings.slow_log_per_minute, interval_s=60.0)
         self._init_state()
@@ -91,6 +99,11 @@ class Finalizer:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="stagetrace-finalizer", daemon=True)
                 self._thread.start()
+                for start in self.on_thread_start:
+                    try:
+                        start()
+                    except Exception:
+                        report_internal_error("sampler start")
 
     def _submit(self, item: Any) -> bool:
         if self._thread is None or self._pid != os.getpid():
@@ -242,6 +255,7 @@ class Finalizer:
             trace.closed = True
             stages = list(trace.stages)
         offset = trace.perf_to_epoch_ns
+        _resolve_cpu(stages)
         self._resolve_gpu(stages, offset)
         attrs = root.attributes or {}
         route = attrs.get(c.HTTP_ROUTE)
@@ -256,7 +270,7 @@ class Finalizer:
             analysis=analysis,
             diagnoses=diagnose(analysis, stages, signals, self.settings.thresholds),
             route=route,
-            gpu_utilization=signals.gpu_utilization,
+            signals=signals,
             sampled=bool(root.context and root.context.trace_flags.sampled),
         )
         if verdict.sampled:
@@ -286,6 +300,7 @@ class Finalizer:
         track: exported on its own, counted in the stage metric, not part of any verdict."""
         trace = rec.trace
         offset = trace.perf_to_epoch_ns if trace is not None else rec.perf_to_epoch_ns
+        _resolve_cpu((rec,))
         self._resolve_gpu([rec], offset)
         ms = rec.gpu_ms if (rec.kind in c.GPU_KINDS and rec.gpu_ms is not None) else rec.wall_ms
         source = trace if trace is not None else rec  # untracked trace: flags were taken at stage entry

@@ -48,6 +48,7 @@ _SIGNAL_ATTRIBUTES = (
     ("h2d_bytes", c.H2D_BYTES),
     ("h2d_pinned", c.H2D_PINNED),
     ("gpu_utilization", c.GPU_UTILIZATION),
+    ("queue_saturated", c.QUEUE_SATURATED),
 )
 
 
@@ -141,6 +142,10 @@ def verdict_attributes(verdict: Verdict) -> dict[str, Any]:
         attrs[c.DIAGNOSIS] = verdict.diagnosis_codes
     if verdict.gpu_utilization is not None:
         attrs[c.GPU_UTILIZATION] = round(verdict.gpu_utilization, 4)
+    if verdict.gil_pressure_ms is not None:
+        attrs[c.GIL_PRESSURE_MS] = verdict.gil_pressure_ms
+    if verdict.loop_lag_ms is not None:
+        attrs[c.LOOP_LAG_MS] = verdict.loop_lag_ms
     return attrs
 
 

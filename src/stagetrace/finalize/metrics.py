@@ -30,11 +30,18 @@ def exemplar_context(span_context: SpanContext | None) -> Context | None:
 
 class StagetraceMetrics:
     def __init__(self, meter: Meter, max_stage_names: int = 256) -> None:
+        # Buckets as the instrument's advisory, so they apply on providers stagetrace did not build too.
         self._stage_duration = meter.create_histogram(
-            c.METRIC_STAGE_DURATION, unit="ms", description="Time charged to a pipeline stage (exclusive wall, or GPU)"
+            c.METRIC_STAGE_DURATION,
+            unit="ms",
+            description="Time charged to a pipeline stage per request (exclusive wall, or GPU)",
+            explicit_bucket_boundaries_advisory=MS_BUCKETS,
         )
         self._trace_duration = meter.create_histogram(
-            c.METRIC_TRACE_DURATION, unit="ms", description="Duration of a trace's local root"
+            c.METRIC_TRACE_DURATION,
+            unit="ms",
+            description="Duration of a trace's local root",
+            explicit_bucket_boundaries_advisory=MS_BUCKETS,
         )
         self._bottleneck = meter.create_counter(
             c.METRIC_BOTTLENECK, unit="{trace}", description="Traces whose bottleneck was this stage"

@@ -1,0 +1,216 @@
+"""CPU-side signals: per-stage on-CPU / run-queue / blocked time, GIL pressure and event-loop lag.
+
+Per stage (sync stages only: an async stage shares its thread with other tasks), the hot path takes two raw
+reads of ``/proc/thread-self/schedstat`` (on-CPU ns, run-queue wait ns) and nothing else; the finalizer
+parses them. ``blocked = wall - on-CPU - run-queue``: time the thread was off-CPU and not waiting for a
+CPU, i.e. waiting for the GIL, a lock, I/O or a sleep. Elsewhere than Linux, thread CPU time only.
+
+GIL pressure: a sampler thread sleeps ``period`` and records how late it woke up. A CPU-bound Python
+thread holding the GIL makes it wait up to the switch interval (5 ms), an idle process wakes it within
+~0.1 ms. Event-loop lag: a task on each instrumented loop does the same with ``asyncio.sleep``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from stagetrace._safety import report_internal_error
+
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+_pread = os.pread
+_perf_ns = time.perf_counter_ns
+
+
+class _ThreadFd:
+    """Closes the thread's schedstat fd when the thread's locals go away."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self) -> None:
+        self.fd = os.open(_SCHEDSTAT, os.O_RDONLY)
+
+    def __del__(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+
+
+class CpuSignals:
+    """Per-stage CPU accounting. ``on_enter``/``on_exit`` run on the request thread; ``resolve`` in the
+    finalizer."""
+
+    def __init__(self) -> None:
+        self.schedstat = sys.platform.startswith("linux") and os.path.exists(_SCHEDSTAT)
+        self._local = threading.local()
+
+    def _fd(self) -> int:
+        holder = getattr(self._local, "holder", None)
+        if holder is None:
+            holder = self._local.holder = _ThreadFd()
+        return holder.fd
+
+    def on_enter(self, rec: Any) -> None:
+        try:
+            rec.cpu = _pread(self._fd(), 64, 0) if self.schedstat else time.thread_time_ns()
+        except OSError:
+            self.schedstat = False
+            rec.cpu = None
+
+    def on_exit(self, rec: Any) -> None:
+        start = rec.cpu
+        if start is None:
+            return
+        try:
+            rec.cpu = (start, _pread(self._fd(), 64, 0) if self.schedstat else time.thread_time_ns())
+        except OSError:
+            rec.cpu = None
+
+    @staticmethod
+    def resolve(rec: Any) -> None:
+        """Turn the two raw readings into cpu_ms / runqueue_ms / blocked_ms on the record."""
+        pair = rec.cpu
+        if not isinstance(pair, tuple):
+            return
+        start, end = pair
+        wall_ms = rec.wall_ms
+        if isinstance(start, bytes):
+            s_cpu, s_rq, _ = start.split()
+            e_cpu, e_rq, _ = end.split()
+            cpu_ms = (int(e_cpu) - int(s_cpu)) / 1e6
+            rq_ms = (int(e_rq) - int(s_rq)) / 1e6
+            rec.runqueue_ms = round(max(0.0, rq_ms), 3)
+        else:
+            cpu_ms, rq_ms = (end - start) / 1e6, 0.0
+        rec.cpu_ms = round(max(0.0, cpu_ms), 3)
+        rec.blocked_ms = round(max(0.0, wall_ms - cpu_ms - rq_ms), 3)
+
+
+class _LagSeries:
+    """(epoch ns, lag ms) samples, bounded; window queries from the finalizer."""
+
+    def __init__(self, max_samples: int) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=max_samples)
+        self._lock = threading.Lock()
+
+    def add(self, lag_ms: float) -> None:
+        with self._lock:
+            self._samples.append((time.time_ns(), lag_ms))
+
+    def window(self, start_ns: int, end_ns: int, slack_ns: int) -> list[float]:
+        with self._lock:
+            samples = list(self._samples)
+        times = [t for t, _ in samples]
+        lo = bisect.bisect_left(times, start_ns - slack_ns)
+        hi = bisect.bisect_right(times, end_ns + slack_ns)
+        return [lag for _, lag in samples[lo:hi]]
+
+
+class GilPressureSampler:
+    """Always-on, one thread: about ``1/period`` wake-ups per second, each a few microseconds."""
+
+    min_window_s = 0.5
+
+    def __init__(self, period_s: float = 0.005, max_samples: int = 8192) -> None:
+        self.period_s = period_s
+        self.series = _LagSeries(max_samples)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def ensure_running(self) -> None:
+        if self._thread is not None and self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="stagetrace-gil", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        period = self.period_s
+        while not self._stop.is_set():
+            t0 = _perf_ns()
+            time.sleep(period)
+            self.series.add(max(0.0, (_perf_ns() - t0) / 1e6 - period * 1e3))
+
+    def pressure_ms(self, start_ns: int, end_ns: int) -> float | None:
+        """Mean wake-up lag over the trace, or over the last ``min_window_s`` before its end if the trace
+        is shorter. A woken sampler either gets the GIL at once or waits out a whole switch interval, so
+        single wake-ups say little; GIL pressure is a process-level condition that changes slowly, and a
+        mean over ~100 wake-ups is steady."""
+        start_ns = min(start_ns, end_ns - int(self.min_window_s * 1e9))
+        lags = self.series.window(start_ns, end_ns, int(self.period_s * 2e9))
+        return round(statistics.fmean(lags), 3) if lags else None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class LoopLagMonitor:
+    """One monitor task per event loop, started by the web integrations on the loop's first request."""
+
+    def __init__(self, interval_s: float = 0.025, max_samples: int = 8192) -> None:
+        self.interval_s = interval_s
+        self.series = _LagSeries(max_samples)
+        self._loops: set[int] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def ensure_running(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        key = id(loop)
+        if key in self._loops:
+            return
+        self._loops.add(key)
+        task = loop.create_task(self._run(), name="stagetrace-loop-lag")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.interval_s
+        try:
+            while True:
+                t0 = loop.time()
+                await asyncio.sleep(interval)
+                self.series.add(max(0.0, (loop.time() - t0 - interval) * 1e3))
+        except asyncio.CancelledError:
+            self._loops.discard(id(loop))
+            raise
+        except Exception:
+            report_internal_error("event-loop lag monitor")
+
+    def max_lag_ms(self, start_ns: int, end_ns: int) -> float | None:
+        lags = self.series.window(start_ns, end_ns, int(self.interval_s * 2e9))
+        return round(max(lags), 3) if lags else None
+
+
+class CpuSignalSources:
+    """The trace-level signals for the finalizer: GIL pressure and event-loop lag over the trace window."""
+
+    def __init__(self, gil: GilPressureSampler | None, loop: LoopLagMonitor | None) -> None:
+        self.gil = gil
+        self.loop = loop
+
+    def __call__(self, trace: Any, root: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        start, end = root.start_time or 0, root.end_time or 0
+        if self.gil is not None:
+            value = self.gil.pressure_ms(start, end)
+            if value is not None:
+                out["gil_pressure_ms"] = value
+        if self.loop is not None:
+            value = self.loop.max_lag_ms(start, end)
+            if value is not None:
+                out["loop_lag_ms"] = value
+        return out

@@ -1,0 +1,1 @@
+"""Integrations, one module each, imported lazily: the core never imports a web framework or torch."""

@@ -1,0 +1,91 @@
+"""Request signals for ASGI servers (FastAPI/Starlette): the wait for a worker thread as a ``wait`` stage,
+and the event-loop lag monitor started on each loop's first request."""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+from stagetrace import _state
+from stagetrace.capture.stage import add_stage
+from stagetrace.integrations._common import Patch
+
+THREADPOOL_WAIT_STAGE = "threadpool.wait"
+
+
+def _make_run_in_threadpool(original: Any) -> Any:
+    @functools.wraps(original)
+    async def run_in_threadpool(func: Any, *args: Any, **kwargs: Any) -> Any:
+        if _state.runtime is None:
+            return await original(func, *args, **kwargs)
+        saturated = _pool_saturated()
+        submitted = time.perf_counter_ns()
+
+        def timed(*a: Any, **k: Any) -> Any:
+            # Runs on the worker, in the request's copied context: the wait ends when a thread picks it up.
+            add_stage(THREADPOOL_WAIT_STAGE, "wait", submitted, time.perf_counter_ns(), queue_saturated=saturated)
+            return func(*a, **k)
+
+        return await original(timed, *args, **kwargs)
+
+    return run_in_threadpool
+
+
+def _pool_saturated() -> bool | None:
+    """Was every worker token of the anyio thread limiter taken when the request asked for one?"""
+    try:
+        import anyio.to_thread
+
+        stats = anyio.to_thread.current_default_thread_limiter().statistics()
+        return stats.borrowed_tokens >= stats.total_tokens or stats.tasks_waiting > 0
+    except Exception:
+        return None
+
+
+def _make_app_call(original: Any) -> Any:
+    @functools.wraps(original)
+    async def __call__(self: Any, scope: Any, receive: Any, send: Any) -> Any:
+        rt = _state.runtime
+        if rt is not None:
+            rt.loop_monitor.ensure_running()
+        return await original(self, scope, receive, send)
+
+    return __call__
+
+
+def asgi_patches() -> list[Patch]:
+    """FastAPI calls ``run_in_threadpool`` through these module globals for sync endpoints and dependencies."""
+    patches: list[Patch] = []
+    try:
+        import fastapi.dependencies.utils as deps_utils
+        import fastapi.routing as routing
+
+        patches += [
+            Patch(routing, "run_in_threadpool", _make_run_in_threadpool),
+            Patch(deps_utils, "run_in_threadpool", _make_run_in_threadpool),
+        ]
+    except ImportError:
+        pass
+    try:
+        import starlette.applications as apps
+
+        patches.append(Patch(apps.Starlette, "__call__", _make_app_call))
+    except ImportError:
+        pass
+    return patches
+
+
+_PATCHES: list[Patch] = []
+
+
+def install_request_signals() -> None:
+    if not _PATCHES:
+        _PATCHES.extend(asgi_patches())
+    for p in _PATCHES:
+        p.apply()
+
+
+def uninstall_request_signals() -> None:
+    for p in _PATCHES:
+        p.restore()

@@ -1,0 +1,181 @@
+"""Automatic stages (opt-in, one switch: ``STAGETRACE_AUTO_STAGES=true`` or ``auto_stages.instrument()``).
+
+Without decorating anything, these become stages:
+
+| what | stage | kind |
+|---|---|---|
+| PIL image decode (``ImageFile.load``) and ``Image.resize`` | ``decode``, ``resize`` | cpu |
+| ``torchvision.transforms.Compose.__call__`` | ``transforms`` | cpu |
+| a Hugging Face tokenizer call (``PreTrainedTokenizerBase.__call__``) | ``tokenize`` | cpu |
+| torch copies between host and device (``Tensor.to/.cuda/.cpu``) | ``h2d``, ``d2h`` | h2d, d2h |
+| the forward of the outermost ``nn.Module`` call | ``forward`` | gpu |
+| FastAPI's response serialisation (``serialize_response``) | ``serialize`` | cpu |
+
+Only libraries that are installed are patched; ``uninstrument()`` restores every original. Nested calls
+(a module inside a module, ``load`` inside ``resize``) become one stage, the outermost.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import importlib.util
+from typing import Any
+
+from stagetrace.capture.gpu import GpuStage, d2h, h2d
+from stagetrace.capture.stage import enter_stage, exit_stage
+from stagetrace.integrations._common import Patch
+
+_inside: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("stagetrace_auto", default=frozenset())
+
+
+def _stage_wrapper(name: str, kind: str = "cpu") -> Any:
+    """A patch factory: time ``original`` as stage ``name`` unless one of the same name is already open."""
+
+    def make(original: Any) -> Any:
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            inside = _inside.get()
+            if name in inside:
+                return original(*args, **kwargs)
+            token = _inside.set(inside | {name})
+            rec = enter_stage(name, kind)
+            try:
+                result = original(*args, **kwargs)
+            except BaseException as e:
+                exit_stage(rec, e)
+                raise
+            finally:
+                _inside.reset(token)
+            exit_stage(rec, None)
+            return result
+
+        return wrapper
+
+    return make
+
+
+def _async_stage_wrapper(name: str) -> Any:
+    def make(original: Any) -> Any:
+        @functools.wraps(original)
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            rec = enter_stage(name, "cpu", None, False)
+            try:
+                result = await original(*args, **kwargs)
+            except BaseException as e:
+                exit_stage(rec, e)
+                raise
+            exit_stage(rec, None)
+            return result
+
+        return wrapper
+
+    return make
+
+
+def copy_kind(source_type: str, target: Any) -> str | None:
+    """'h2d' / 'd2h' when a ``to()`` moves a tensor between host and a device, else None (dtype casts,
+    same-device moves)."""
+    if target is None:
+        return None
+    text = str(getattr(target, "type", target))
+    target_type = text.split(":", 1)[0]
+    if target_type not in ("cpu", "cuda", "xpu", "mps"):
+        return None
+    if source_type == "cpu" and target_type != "cpu":
+        return "h2d"
+    if source_type != "cpu" and target_type == "cpu":
+        return "d2h"
+    return None
+
+
+def _tensor_to(original: Any) -> Any:
+    @functools.wraps(original)
+    def to(self: Any, *args: Any, **kwargs: Any) -> Any:
+        target = kwargs.get("device", args[0] if args else None)
+        if isinstance(target, str) or type(target).__name__ == "device":
+            kind = copy_kind(self.device.type, target)
+            if kind is not None and "copy" not in _inside.get():
+                token = _inside.set(_inside.get() | {"copy"})
+                try:
+                    non_blocking = kwargs.get("non_blocking", False)
+                    if kind == "h2d":
+                        return h2d(self, target, non_blocking=non_blocking)
+                    return d2h(self, non_blocking=non_blocking)
+                finally:
+                    _inside.reset(token)
+        return original(self, *args, **kwargs)
+
+    return to
+
+
+def _module_call(original: Any) -> Any:
+    @functools.wraps(original)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        inside = _inside.get()
+        if "forward" in inside:
+            return original(self, *args, **kwargs)
+        token = _inside.set(inside | {"forward"})
+        try:
+            with GpuStage("forward"):
+                return original(self, *args, **kwargs)
+        finally:
+            _inside.reset(token)
+
+    return __call__
+
+
+def _available(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _patches() -> list[Patch]:
+    found: list[Patch] = []
+    if _available("PIL"):
+        from PIL import Image, ImageFile
+
+        found += [
+            Patch(ImageFile.ImageFile, "load", _stage_wrapper("decode")),
+            Patch(Image.Image, "resize", _stage_wrapper("resize")),
+        ]
+    if _available("torchvision"):
+        import torchvision.transforms as transforms
+
+        found.append(Patch(transforms.Compose, "__call__", _stage_wrapper("transforms")))
+    if _available("transformers"):
+        import transformers
+
+        found.append(Patch(transformers.PreTrainedTokenizerBase, "__call__", _stage_wrapper("tokenize")))
+    if _available("torch"):
+        import torch
+
+        found += [
+            Patch(torch.Tensor, "to", _tensor_to),
+            Patch(torch.nn.Module, "__call__", _module_call),
+        ]
+    if _available("fastapi"):
+        import fastapi.routing as routing
+
+        found.append(Patch(routing, "serialize_response", _async_stage_wrapper("serialize")))
+    return found
+
+
+_APPLIED: list[Patch] = []
+
+
+def instrument() -> list[str]:
+    """Patch what is installed; returns the patched targets' names."""
+    if not _APPLIED:
+        _APPLIED.extend(_patches())
+    for p in _APPLIED:
+        p.apply()
+    return [f"{getattr(p.owner, '__name__', p.owner)}.{p.name}" for p in _APPLIED if p.applied]
+
+
+def uninstrument() -> None:
+    for p in _APPLIED:
+        p.restore()
+    _APPLIED.clear()

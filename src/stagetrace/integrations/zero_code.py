@@ -1,0 +1,59 @@
+"""Zero-code: ``opentelemetry-instrument uvicorn app:app`` with stagetrace installed gives stage spans and
+verdicts. Loaded through the ``opentelemetry_instrumentor`` entry point, after any distro or configurator
+has built the SDK: stagetrace then wraps that provider's processors (``attach``); with no SDK configured
+it configures itself from the ``OTEL_*`` variables (or the embedded default). It never registers a
+configurator of its own, so a user's distro keeps working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+from opentelemetry import metrics as metrics_api
+from opentelemetry import trace as trace_api
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+from opentelemetry.sdk.trace import TracerProvider
+
+from stagetrace import _state
+from stagetrace._safety import logger
+from stagetrace.integrations.asgi import install_request_signals, uninstall_request_signals
+from stagetrace.integrations.threads import propagate_context_to_threads, stop_propagating_context
+from stagetrace.settings import env_flag
+
+
+class StagetraceInstrumentor(BaseInstrumentor):
+    _handle: Any = None
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return ()
+
+    def _instrument(self, **kwargs: Any) -> None:
+        if env_flag("STAGETRACE_DISABLED"):
+            return
+        from stagetrace.setup import attach, configure
+
+        if _state.runtime is None:
+            provider = kwargs.get("tracer_provider") or trace_api.get_tracer_provider()
+            if isinstance(provider, TracerProvider):
+                meter_provider = kwargs.get("meter_provider") or metrics_api.get_meter_provider()
+                self._handle = attach(provider, meter_provider)
+                logger.info("stagetrace: attached to the configured TracerProvider")
+            else:
+                self._handle = configure()
+        install_request_signals()
+        propagate_context_to_threads()
+        if env_flag("STAGETRACE_AUTO_STAGES"):
+            from stagetrace.integrations import auto_stages
+
+            auto_stages.instrument()
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        uninstall_request_signals()
+        stop_propagating_context()
+        from stagetrace.integrations import auto_stages
+
+        auto_stages.uninstrument()
+        if self._handle is not None:
+            self._handle.shutdown()
+            self._handle = None

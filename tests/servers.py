@@ -1,0 +1,63 @@
+"""Real servers on 127.0.0.1 for tests: uvicorn in a thread, on a free port, stopped on exit."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+
+@contextlib.contextmanager
+def serve(app: Any, **config: Any) -> Iterator[str]:
+    cfg = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on", **config)
+    server = uvicorn.Server(cfg)
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+
+
+_CLIENT = """
+import asyncio, json, sys
+import httpx
+
+async def main(base, path, n, concurrency):
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        async def one():
+            async with sem:
+                return (await client.get(path)).status_code
+        print(json.dumps(await asyncio.gather(*(one() for _ in range(n)))))
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+"""
+
+
+def hit(base: str, path: str, n: int, concurrency: int) -> list[int]:
+    """``n`` GET requests, ``concurrency`` at a time, from another process (as real clients are: an
+    in-process client would compete for the server's GIL). Returns the status codes."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _CLIENT, base, path, str(n), str(concurrency)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return json.loads(out.stdout)

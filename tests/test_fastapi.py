@@ -1,0 +1,145 @@
+"""FastAPI and Flask integrations in process: the server span is the local root and carries the verdict."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import sys
+import time
+
+import httpx
+import pytest
+from fastapi import BackgroundTasks, FastAPI
+
+import stagetrace
+from stagetrace import conventions as c
+
+
+def make_app() -> FastAPI:
+    app = FastAPI()
+
+    @stagetrace.stage("decode")
+    def decode(n: int) -> int:
+        return sum(range(n))
+
+    @app.get("/predict/{item}")
+    async def predict(item: int):
+        decode(20_000)
+        async with stagetrace.stage("infer", kind="io"):
+            await asyncio.sleep(0.002)
+        return {"item": item}
+
+    @app.get("/sync")
+    def sync_endpoint():
+        with stagetrace.stage("work"):
+            time.sleep(0.002)
+        return {"ok": True}
+
+    @app.get("/bg")
+    async def with_background(tasks: BackgroundTasks):
+        def later():
+            with stagetrace.stage("send_email"):
+                time.sleep(0.005)
+
+        tasks.add_task(later)
+        return {"queued": True}
+
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+
+    @app.get("/executor")
+    async def executor():
+        def job(name):
+            with stagetrace.stage(name):
+                time.sleep(0.001)
+
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(pool, job, "in_executor")
+        pool.submit(job, "submitted").result()
+        await asyncio.to_thread(job, "to_thread")
+        return {}
+
+    return app
+
+
+def call(app, *paths):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return [await client.get(p) for p in paths]
+
+    return asyncio.run(go())
+
+
+def test_server_span_is_the_root_with_verdict_and_route_metrics(harness):
+    app = stagetrace.instrument_fastapi(make_app())
+    (resp,) = call(app, "/predict/7")
+    assert resp.status_code == 200
+    spans = harness.spans()
+    (root,) = [s for s in spans if s.parent is None]
+    assert root.kind.name == "SERVER"
+    assert root.attributes["http.route"] == "/predict/{item}"
+    assert root.attributes[c.STAGES] == ("decode", "infer")
+    assert root.attributes[c.BOTTLENECK_STAGE] in ("decode", "infer")
+    stages = {s.name: s for s in spans if c.STAGE in s.attributes}
+    assert all(s.parent.span_id == root.context.span_id for s in stages.values())
+    assert stages["decode"].attributes[c.ON_EVENT_LOOP] is True  # a sync stage inside async def
+    assert c.ON_EVENT_LOOP not in stages["infer"].attributes  # async with: not blocking the loop
+    assert stages["decode"].attributes[c.CPU_MS] >= 0
+    routes = {p.attributes.get(c.HTTP_ROUTE) for p in harness.metric_points(c.METRIC_STAGE_DURATION)}
+    assert routes == {"/predict/{item}"}
+    assert not any(s.name.startswith("GET /predict/{item} http") for s in spans)  # send/receive excluded
+
+
+def test_sync_endpoint_records_the_threadpool_wait(harness):
+    app = stagetrace.instrument_fastapi(make_app())
+    call(app, "/sync")
+    stages = {s.name: s for s in harness.spans() if c.STAGE in s.attributes}
+    assert stages["threadpool.wait"].attributes[c.STAGE_KIND] == "wait"
+    assert c.ON_EVENT_LOOP not in stages["work"].attributes  # ran on a worker thread
+    assert harness.verdicts[0].route == "/sync"
+
+
+def test_background_task_work_lands_in_the_request_trace(harness):
+    app = stagetrace.instrument_fastapi(make_app())
+    call(app, "/bg")
+    deadline = time.monotonic() + 5
+    while not harness.by_name("send_email") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    (bg,) = harness.by_name("send_email")
+    root = next(s for s in harness.spans() if s.parent is None and s.kind.name == "SERVER")
+    assert bg.context.trace_id == root.context.trace_id
+    assert "send_email" not in harness.verdicts[0].breakdown  # after the response: not request latency
+
+
+def test_context_reaches_executor_and_thread_workers(harness):
+    app = stagetrace.instrument_fastapi(make_app())
+    call(app, "/executor")
+    spans = harness.spans()
+    root = next(s for s in spans if s.parent is None)
+    for name in ("in_executor", "submitted", "to_thread"):
+        (span,) = [s for s in spans if s.name == name]
+        assert span.context.trace_id == root.context.trace_id, name
+    assert set(harness.verdicts[0].breakdown) == {"in_executor", "submitted", "to_thread"}
+
+
+def test_flask_server_span_carries_the_verdict(harness):
+    from flask import Flask
+
+    app = Flask(__name__)
+
+    @app.get("/hello")
+    def hello():
+        with stagetrace.stage("render"):
+            time.sleep(0.001)
+        return "hi"
+
+    stagetrace.instrument_flask(app)
+    assert app.test_client().get("/hello").status_code == 200
+    root = next(s for s in harness.spans() if s.parent is None)
+    assert root.attributes[c.BOTTLENECK_STAGE] == "render"
+    assert harness.verdicts[0].route == "/hello"
+
+
+def test_missing_extra_gives_a_helpful_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "opentelemetry.instrumentation.fastapi", None)
+    with pytest.raises(RuntimeError, match=r"pip install 'stagetrace\[fastapi\]'"):
+        stagetrace.instrument_fastapi(FastAPI())

@@ -1,0 +1,161 @@
+"""Diagnosis rules against a real uvicorn server on 127.0.0.1 with concurrent clients: one scenario app per
+rule, each naming its cause, and a healthy app that must fire none of them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections import Counter
+
+import anyio.to_thread
+from fastapi import FastAPI
+
+import stagetrace
+from servers import hit, serve
+
+
+def busy(ms: float) -> int:
+    """Pure-Python CPU work holding the GIL for about ``ms``."""
+    end = time.perf_counter() + ms / 1000
+    n = 0
+    while time.perf_counter() < end:
+        n += 1
+    return n
+
+
+def run_scenario(harness, app: FastAPI, path: str, n: int, concurrency: int) -> list:
+    stagetrace.instrument_fastapi(app)
+    with serve(app) as base:
+        statuses = hit(base, path, n, concurrency)
+    assert statuses == [200] * n
+    harness.wait_verdicts(n)
+    return [v for v in harness.verdicts if v.route == path]
+
+
+def codes(verdicts) -> Counter:
+    return Counter(code for v in verdicts for code in v.diagnosis_codes)
+
+
+def test_cpu_heavy_sync_stage_in_async_endpoint_blocks_the_event_loop(harness):
+    app = FastAPI()
+
+    @app.get("/resize")
+    async def resize():
+        with stagetrace.stage("resize"):  # sync CPU work on the loop thread
+            busy(40)
+        return {}
+
+    verdicts = run_scenario(harness, app, "/resize", n=12, concurrency=4)
+    found = codes(verdicts)
+    assert found["EVENT_LOOP_BLOCKED"] == len(verdicts)
+    d = next(d for d in verdicts[0].diagnoses if d.code == "EVENT_LOOP_BLOCKED")
+    assert d.stage == "resize" and "event-loop thread" in d.message
+
+
+def test_stage_waiting_on_a_lock_is_lock_or_io_wait(harness):
+    app = FastAPI()
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def holder():
+        while not stop.is_set():
+            with lock:
+                time.sleep(0.06)  # holds the lock, GIL free
+            time.sleep(0.001)
+
+    @app.get("/lookup")
+    def lookup():
+        with stagetrace.stage("cache_lookup"), lock:
+            pass
+        return {}
+
+    t = threading.Thread(target=holder, daemon=True)
+    t.start()
+    try:
+        verdicts = run_scenario(harness, app, "/lookup", n=10, concurrency=2)
+    finally:
+        stop.set()
+        t.join()
+    found = codes(verdicts)
+    assert found["LOCK_OR_IO_WAIT"] >= len(verdicts) * 0.7, found
+    assert found["GIL_CONTENTION"] == 0
+    d = next(d for v in verdicts for d in v.diagnoses if d.code == "LOCK_OR_IO_WAIT")
+    assert d.stage == "cache_lookup"
+
+
+def test_cpu_stage_beside_a_busy_python_thread_is_gil_contention(harness):
+    app = FastAPI()
+    stop = threading.Event()
+
+    def hog():
+        x = 0
+        while not stop.is_set():
+            x += 1
+
+    @app.get("/tokenize")
+    def tokenize():
+        with stagetrace.stage("tokenize"):
+            n = 0
+            for i in range(3_000_000):  # pure Python: needs the GIL throughout (~150 ms alone)
+                n += i % 7
+        return {}
+
+    t = threading.Thread(target=hog, daemon=True)
+    t.start()
+    try:
+        verdicts = run_scenario(harness, app, "/tokenize", n=8, concurrency=1)
+    finally:
+        stop.set()
+        t.join()
+    found = codes(verdicts)
+    assert found["GIL_CONTENTION"] >= len(verdicts) * 0.7, (found, [v.diagnoses for v in verdicts][:2])
+    assert found["LOCK_OR_IO_WAIT"] == 0
+
+
+def test_more_sync_requests_than_worker_threads_is_queueing(harness):
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        anyio.to_thread.current_default_thread_limiter().total_tokens = 2
+        yield
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.get("/infer")
+    def infer():
+        with stagetrace.stage("infer", kind="io"):
+            time.sleep(0.05)
+        return {}
+
+    verdicts = run_scenario(harness, app, "/infer", n=16, concurrency=8)
+    found = codes(verdicts)
+    assert found["QUEUEING"] >= len(verdicts) * 0.5, found
+    d = next(d for v in verdicts for d in v.diagnoses if d.code == "QUEUEING")
+    assert d.stage == "threadpool.wait"
+
+
+def test_healthy_endpoints_fire_nothing(harness):
+    app = FastAPI()
+
+    @app.get("/healthy")
+    async def healthy():
+        async with stagetrace.stage("fetch", kind="io"):
+            await asyncio.sleep(0.01)
+        with stagetrace.stage("postprocess"):
+            busy(1)
+        return {}
+
+    @app.get("/healthy-sync")
+    def healthy_sync():
+        with stagetrace.stage("compute"):
+            busy(8)
+        return {}
+
+    stagetrace.instrument_fastapi(app)
+    with serve(app) as base:
+        hit(base, "/healthy", 20, 4)
+        hit(base, "/healthy-sync", 10, 1)
+    verdicts = harness.wait_verdicts(30)
+    assert len(verdicts) == 30
+    assert codes(verdicts) == Counter(), [v.diagnoses for v in verdicts if v.diagnoses][:3]
