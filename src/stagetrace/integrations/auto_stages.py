@@ -7,7 +7,7 @@ Without decorating anything, these become stages:
 | PIL image decode (``ImageFile.load``) and ``Image.resize`` | ``decode``, ``resize`` | cpu |
 | ``torchvision.transforms.Compose.__call__`` | ``transforms`` | cpu |
 | a Hugging Face tokenizer call (``PreTrainedTokenizerBase.__call__``) | ``tokenize`` | cpu |
-| torch copies between host and device (``Tensor.to/.cuda/.cpu``) | ``h2d``, ``d2h`` | h2d, d2h |
+| torch copies between host and device (``Tensor.to``) | ``h2d``, ``d2h`` | h2d, d2h |
 | the forward of the outermost ``nn.Module`` call | ``forward`` | gpu |
 | FastAPI's response serialisation (``serialize_response``) | ``serialize`` | cpu |
 
@@ -29,14 +29,15 @@ from stagetrace.integrations._common import Patch
 _inside: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("stagetrace_auto", default=frozenset())
 
 
-def _stage_wrapper(name: str, kind: str = "cpu") -> Any:
-    """A patch factory: time ``original`` as stage ``name`` unless one of the same name is already open."""
+def _stage_wrapper(name: str, kind: str = "cpu", when: Any = None) -> Any:
+    """A patch factory: time ``original`` as stage ``name`` unless one of the same name is already open,
+    or ``when(self)`` says this call does no real work."""
 
     def make(original: Any) -> Any:
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             inside = _inside.get()
-            if name in inside:
+            if name in inside or (when is not None and args and not when(args[0])):
                 return original(*args, **kwargs)
             token = _inside.set(inside | {name})
             rec = enter_stage(name, kind)
@@ -138,7 +139,8 @@ def _patches() -> list[Patch]:
         from PIL import Image, ImageFile
 
         found += [
-            Patch(ImageFile.ImageFile, "load", _stage_wrapper("decode")),
+            # load() on an image already decoded has no tiles left and returns at once: not a stage
+            Patch(ImageFile.ImageFile, "load", _stage_wrapper("decode", when=lambda im: bool(im.tile))),
             Patch(Image.Image, "resize", _stage_wrapper("resize")),
         ]
     if _available("torchvision"):

@@ -1,0 +1,122 @@
+"""Automatic stages (opt-in): only installed libraries are patched, nesting collapses to the outermost
+call, and uninstrument restores every original."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.machinery
+import io
+import sys
+import types
+
+import httpx
+import pytest
+import torch
+from fastapi import FastAPI
+from PIL import Image
+
+import stagetrace
+from stagetrace import conventions as c
+from stagetrace.integrations import auto_stages
+
+
+@pytest.fixture
+def auto(harness):
+    names = auto_stages.instrument()
+    yield harness, names
+    auto_stages.uninstrument()
+
+
+def jpeg_bytes(size=(640, 480)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, (120, 30, 200)).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def test_pil_decode_and_resize_become_stages(auto):
+    harness, _ = auto
+    raw = jpeg_bytes()
+    with stagetrace.pipeline("preprocess"):
+        img = Image.open(io.BytesIO(raw)).convert("RGB")
+        img.resize((224, 224))
+    names = [s.name for s in harness.spans() if c.STAGE in s.attributes]
+    assert names.count("decode") == 1 and names.count("resize") == 1
+
+
+def test_outermost_module_forward_is_one_gpu_kind_stage(auto):
+    harness, _ = auto
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with stagetrace.pipeline("infer"), torch.no_grad():
+        model(torch.ones(1, 8))
+    forwards = [s for s in harness.spans() if s.name == "forward"]
+    assert len(forwards) == 1  # the submodules' calls are inside it
+    assert forwards[0].attributes[c.STAGE_KIND] == "gpu"
+
+
+def test_dtype_casts_are_not_copies():
+    assert auto_stages.copy_kind("cpu", torch.float16) is None
+    assert auto_stages.copy_kind("cpu", "cpu") is None
+    assert auto_stages.copy_kind("cpu", "cuda:0") == "h2d"
+    assert auto_stages.copy_kind("cuda", torch.device("cpu")) == "d2h"
+    assert auto_stages.copy_kind("cuda", "cuda:1") is None
+
+
+def test_tensor_to_on_the_same_device_is_untouched(auto):
+    harness, _ = auto
+    with stagetrace.pipeline("p"):
+        torch.ones(4).to(torch.float64).to("cpu")
+    assert not [s for s in harness.spans() if s.name in ("h2d", "d2h")]
+
+
+def test_fastapi_response_serialisation_is_a_stage(auto):
+    harness, _ = auto
+    app = FastAPI()
+
+    @app.get("/items")
+    async def items() -> list[dict]:
+        return [{"id": i} for i in range(100)]
+
+    stagetrace.instrument_fastapi(app)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            assert (await client.get("/items")).status_code == 200
+
+    asyncio.run(go())
+    (serialize,) = [s for s in harness.spans() if s.name == "serialize"]
+    root = next(s for s in harness.spans() if s.parent is None)
+    assert serialize.parent.span_id == root.context.span_id
+    assert "serialize" in harness.verdicts[0].breakdown
+
+
+def test_a_tokenizer_call_is_a_stage_when_transformers_is_installed(harness, monkeypatch):
+    fake = types.ModuleType("transformers")
+    fake.__spec__ = importlib.machinery.ModuleSpec("transformers", None)
+
+    class PreTrainedTokenizerBase:
+        def __call__(self, text):
+            return {"input_ids": [ord(ch) for ch in text]}
+
+    fake.PreTrainedTokenizerBase = PreTrainedTokenizerBase
+    monkeypatch.setitem(sys.modules, "transformers", fake)
+    original = PreTrainedTokenizerBase.__call__
+    auto_stages.instrument()
+    try:
+        with stagetrace.pipeline("text"):
+            assert PreTrainedTokenizerBase()("hi") == {"input_ids": [104, 105]}
+        assert [s.name for s in harness.spans() if c.STAGE in s.attributes] == ["tokenize"]
+    finally:
+        auto_stages.uninstrument()
+    assert PreTrainedTokenizerBase.__call__ is original
+
+
+def test_uninstrument_restores_originals(harness):
+    import fastapi.routing
+    from PIL import ImageFile
+
+    before = (ImageFile.ImageFile.load, torch.Tensor.to, torch.nn.Module.__call__, fastapi.routing.serialize_response)
+    patched = auto_stages.instrument()
+    assert "ImageFile.load" in patched and "Module.__call__" in patched
+    auto_stages.uninstrument()
+    after = (ImageFile.ImageFile.load, torch.Tensor.to, torch.nn.Module.__call__, fastapi.routing.serialize_response)
+    assert after == before

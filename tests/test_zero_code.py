@@ -1,0 +1,139 @@
+"""Zero-code: `opentelemetry-instrument python app.py` with stagetrace installed gives stage spans and
+verdicts, through the entry point, with or without a user's distro/configurator."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from stagetrace import conventions as c
+
+APP = textwrap.dedent(
+    """
+    import asyncio, time
+    import httpx
+    from fastapi import FastAPI
+    import stagetrace
+
+    app = FastAPI()   # created after instrumentation: the contrib instrumentor patched the class
+
+    @stagetrace.stage("decode")
+    def decode():
+        time.sleep(0.003)
+
+    @app.get("/predict")
+    async def predict():
+        decode()
+        with stagetrace.stage("postprocess"):
+            time.sleep(0.001)
+        return {"ok": True}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            for _ in range(3):
+                assert (await client.get("/predict")).status_code == 200
+
+    asyncio.run(main())
+    """
+)
+
+
+def run_instrumented(tmp_path: Path, env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "app.py"
+    script.write_text(APP)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
+    env.update(env_extra)
+    instrument = shutil.which("opentelemetry-instrument", path=str(Path(sys.executable).parent))
+    assert instrument, "opentelemetry-instrument not installed"
+    # python must resolve to this interpreter (pitfall: opentelemetry-instrument uses shutil.which)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    out = subprocess.run(
+        [instrument, "python", str(script)], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_with_a_users_distro_stagetrace_attaches_to_its_provider(tmp_path, otlp_receiver):
+    run_instrumented(
+        tmp_path,
+        {
+            "OTEL_SERVICE_NAME": "zero-code-distro",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.grpc_endpoint,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            "OTEL_METRICS_EXPORTER": "none",
+            "OTEL_LOGS_EXPORTER": "none",
+        },
+    )
+    sink = otlp_receiver.sink
+    assert sink.wait_for(lambda s: sum(1 for x in s.spans if x.name == "GET /predict") >= 3)
+    roots = [s for s in sink.spans if s.name == "GET /predict"]
+    assert all(r.attributes[c.STAGES] == ("decode", "postprocess") for r in roots)
+    assert all(r.attributes[c.BOTTLENECK_STAGE] == "decode" for r in roots)
+    assert all(r.resource["service.name"] == "zero-code-distro" for r in roots)
+    decodes = [s for s in sink.spans if s.name == "decode"]
+    assert {d.parent_span_id for d in decodes} == {r.span_id for r in roots}
+
+
+def test_without_an_sdk_stagetrace_configures_itself(tmp_path):
+    out_dir = tmp_path / "out"
+    run_instrumented(
+        tmp_path,
+        {
+            # no distro and no configurator: nobody sets up the SDK or OTEL_* defaults
+            "OTEL_PYTHON_DISTRO": "none-installed",
+            "OTEL_PYTHON_CONFIGURATOR": "none-installed",
+            "OTEL_SERVICE_NAME": "zero-code-bare",
+            "STAGETRACE_OUTPUT_DIR": str(out_dir),
+        },
+    )
+    (path,) = out_dir.glob("traces-*.jsonl")
+    spans = [
+        span
+        for line in path.read_text().splitlines()
+        for rs in json.loads(line)["resourceSpans"]
+        for ss in rs["scopeSpans"]
+        for span in ss["spans"]
+    ]
+    roots = [s for s in spans if s["name"] == "GET /predict"]
+    assert len(roots) == 3
+    attrs = {a["key"]: a["value"] for a in roots[0]["attributes"]}
+    assert attrs[c.BOTTLENECK_STAGE] == {"stringValue": "decode"}
+
+
+def test_uninstrument_restores_everything():
+    import concurrent.futures
+
+    import fastapi.routing
+
+    from stagetrace.integrations.zero_code import StagetraceInstrumentor
+
+    before = (concurrent.futures.ThreadPoolExecutor.submit, fastapi.routing.run_in_threadpool)
+    inst = StagetraceInstrumentor()
+    inst.instrument()
+    try:
+        assert concurrent.futures.ThreadPoolExecutor.submit is not before[0]
+    finally:
+        inst.uninstrument()
+    assert (concurrent.futures.ThreadPoolExecutor.submit, fastapi.routing.run_in_threadpool) == before
+
+
+def test_disabled_zero_code_is_a_no_op(tmp_path):
+    flag = "true"
+    out_dir = tmp_path / "out"
+    run_instrumented(
+        tmp_path,
+        {
+            "OTEL_PYTHON_DISTRO": "none-installed",
+            "OTEL_PYTHON_CONFIGURATOR": "none-installed",
+            "STAGETRACE_DISABLED": flag,
+            "STAGETRACE_OUTPUT_DIR": str(out_dir),
+        },
+    )
+    assert not out_dir.exists()
