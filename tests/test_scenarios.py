@@ -159,3 +159,29 @@ def test_healthy_endpoints_fire_nothing(harness):
     verdicts = harness.wait_verdicts(30)
     assert len(verdicts) == 30
     assert codes(verdicts) == Counter(), [v.diagnoses for v in verdicts if v.diagnoses][:3]
+
+
+def test_large_bodies_on_keep_alive_connections_do_not_chain_requests_into_one_trace(harness, tmp_path):
+    """uvicorn pauses reading on a large body; resuming it from the request task makes asyncio capture that
+    task's context for the connection's next requests. Each request must still be its own trace."""
+    from fastapi import Request
+
+    from stagetrace.demo import runner
+
+    app = FastAPI()
+
+    @app.post("/upload")
+    async def upload(request: Request):
+        body = await request.body()
+        with stagetrace.stage("parse"):
+            return {"n": len(body)}
+
+    stagetrace.instrument_fastapi(app)
+    with serve(app) as base:
+        runner._drive(base, "/upload", 30, 3, b"x" * 400_000, runner._Progress(30, "", False))
+    spans = harness.spans()
+    servers = [s for s in spans if s.name == "POST /upload"]
+    assert len(servers) == 30
+    assert all(s.parent is None for s in servers)
+    assert len({s.context.trace_id for s in servers}) == 30
+    assert len(harness.wait_verdicts(30)) == 30

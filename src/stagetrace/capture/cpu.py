@@ -19,7 +19,6 @@ import statistics
 import sys
 import threading
 import time
-from collections import deque
 from typing import Any
 
 from stagetrace._safety import report_internal_error
@@ -95,23 +94,28 @@ class CpuSignals:
 
 
 class _LagSeries:
-    """(epoch ns, lag ms) samples, bounded; window queries from the finalizer."""
+    """(epoch ns, lag ms) samples in two parallel lists, bounded by trimming the oldest half when full, so
+    a window query is a bisect plus a slice rather than a copy of the whole history."""
 
     def __init__(self, max_samples: int) -> None:
-        self._samples: deque[tuple[int, float]] = deque(maxlen=max_samples)
+        self._max = max_samples
+        self._times: list[int] = []
+        self._lags: list[float] = []
         self._lock = threading.Lock()
 
     def add(self, lag_ms: float) -> None:
         with self._lock:
-            self._samples.append((time.time_ns(), lag_ms))
+            self._times.append(time.time_ns())
+            self._lags.append(lag_ms)
+            if len(self._times) > self._max:
+                half = len(self._times) // 2
+                del self._times[:half], self._lags[:half]
 
     def window(self, start_ns: int, end_ns: int, slack_ns: int) -> list[float]:
         with self._lock:
-            samples = list(self._samples)
-        times = [t for t, _ in samples]
-        lo = bisect.bisect_left(times, start_ns - slack_ns)
-        hi = bisect.bisect_right(times, end_ns + slack_ns)
-        return [lag for _, lag in samples[lo:hi]]
+            lo = bisect.bisect_left(self._times, start_ns - slack_ns)
+            hi = bisect.bisect_right(self._times, end_ns + slack_ns)
+            return self._lags[lo:hi]
 
 
 class GilPressureSampler:

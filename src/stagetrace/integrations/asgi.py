@@ -7,7 +7,11 @@ import functools
 import time
 from typing import Any
 
+from opentelemetry.context import Context, attach, detach, get_current
+from opentelemetry.trace.propagation import _SPAN_KEY
+
 from stagetrace import _state
+from stagetrace.capture.records import StageRecord
 from stagetrace.capture.stage import add_stage
 from stagetrace.integrations._common import Patch
 
@@ -43,12 +47,33 @@ def _pool_saturated() -> bool | None:
         return None
 
 
+def leaked_context(ctx: Context) -> bool:
+    """Is the current span one that already ended? Then it leaked into this request: with uvicorn, a large
+    body pauses reading, the app resumes it from inside its request task, and asyncio registers the new
+    reader callback with a copy of that task's context, so every later request on the keep-alive connection
+    starts inside the previous request's (finished) server span and would become its child."""
+    span = ctx.get(_SPAN_KEY)
+    if span is None:
+        return False
+    end = getattr(span, "end_time", None)
+    if end is None and isinstance(span, StageRecord):
+        end = span.end_ns or None
+    return end is not None
+
+
 def _make_app_call(original: Any) -> Any:
     @functools.wraps(original)
     async def __call__(self: Any, scope: Any, receive: Any, send: Any) -> Any:
         rt = _state.runtime
-        if rt is not None:
-            rt.loop_monitor.ensure_running()
+        if rt is None:
+            return await original(self, scope, receive, send)
+        rt.loop_monitor.ensure_running()
+        if scope.get("type") in ("http", "websocket") and leaked_context(get_current()):
+            token = attach(Context())
+            try:
+                return await original(self, scope, receive, send)
+            finally:
+                detach(token)
         return await original(self, scope, receive, send)
 
     return __call__

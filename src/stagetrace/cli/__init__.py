@@ -1,0 +1,1 @@
+"""The ``stagetrace`` command: ``demo`` and ``report``."""

@@ -1,0 +1,220 @@
+"""The demo's inference service: the classic pipeline, written the way it usually is first, and fixed.
+
+image: JPEG bytes -> PIL decode -> resize -> tensor -> h2d -> small CNN -> d2h -> postprocess to JSON
+text:  text -> slow regex tokenizer -> tensor -> h2d -> embedding classifier -> d2h -> JSON
+
+The naive endpoints are ``async def`` and do their CPU work (decode, resize, tokenize) on the event loop and
+copy from pageable memory. The optimized ones decode at reduced size on a worker pool (PIL releases the
+GIL), keep the loop free, and copy from a pinned staging buffer when there is a GPU. Model weights are
+initialised locally from a fixed seed: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastapi import FastAPI, Request  # module level: FastAPI resolves the string annotations here
+
+import stagetrace
+
+IMAGE_SIZE = (640, 480)
+INPUT_SIZE = 224
+LABELS = [f"class_{i}" for i in range(10)]
+
+
+def make_jpeg(seed: int = 0, size: tuple[int, int] = IMAGE_SIZE) -> bytes:
+    """A photo-like test image (gradients and noise, so JPEG has something to do)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    w, h = size
+    x = np.linspace(0, 1, w)[None, :, None]
+    y = np.linspace(0, 1, h)[:, None, None]
+    base = np.concatenate([x * 255 * np.ones((h, 1, 1)), y * 255 * np.ones((1, w, 1)), (x * y) * 255], axis=2)
+    img = np.clip(base + rng.normal(0, 25, (h, w, 3)), 0, 255).astype("uint8")
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def make_text(seed: int = 0, words: int = 2500) -> str:
+    import random
+
+    rng = random.Random(seed)
+    vocab = [
+        "model",
+        "latency",
+        "GPU",
+        "tokenizer",
+        "request",
+        "batch",
+        "p99",
+        "queue",
+        "tensor",
+        "pinned",
+        "memory",
+        "decode",
+        "resize",
+        "CUDA",
+        "stream",
+        "kernel",
+        "don't",
+        "it's",
+        "3.14",
+        "e-mail",
+    ]
+    return " ".join(rng.choice(vocab) + rng.choice(["", ",", ".", "!", ""]) for _ in range(words))
+
+
+def build_models(device: Any) -> tuple[Any, Any]:
+    import torch
+
+    torch.manual_seed(0)
+    cnn = (
+        torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, stride=2, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(16, 32, 3, stride=2, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(32, 32, 3, stride=2, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(32, len(LABELS)),
+        )
+        .to(device)
+        .eval()
+    )
+
+    class TextClassifier(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.EmbeddingBag(30_000, 64)
+            self.head = torch.nn.Linear(64, len(LABELS))
+
+        def forward(self, ids: Any) -> Any:
+            return self.head(self.embed(ids.view(1, -1)))
+
+    return cnn, TextClassifier().to(device).eval()
+
+
+# A tokenizer written the slow way: one regex pass per token class, then a normalising regex per token.
+_SLOW_PATTERNS = [re.compile(p) for p in (r"(?:\w+(?:'\w+)*)", r"\d+(?:\.\d+)?", r"[^\w\s]", r"\s+")]
+
+
+def slow_tokenize(text: str) -> list[int]:
+    tokens: list[str] = []
+    pos = 0
+    while pos < len(text):
+        for pat in _SLOW_PATTERNS:
+            m = pat.match(text, pos)
+            if m:
+                tok = m.group(0)
+                if not tok.isspace():
+                    tokens.append(re.sub(r"[^a-z0-9']", "", tok.lower()) or tok)
+                pos = m.end()
+                break
+        else:
+            pos += 1
+    return [hash(t) % 30_000 for t in tokens]
+
+
+def fast_tokenize(text: str) -> list[int]:
+    table = str.maketrans("", "", ",.!?;:")
+    return [hash(t) % 30_000 for t in text.lower().translate(table).split()]
+
+
+def _postprocess(logits: Any) -> dict[str, Any]:
+    import torch
+
+    probs = torch.softmax(logits[0], dim=0)
+    top = torch.topk(probs, 3)
+    return {"top": [{"label": LABELS[i], "p": round(float(p), 4)} for p, i in zip(top.values, top.indices)]}
+
+
+def build_app(device: Any) -> Any:
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    cnn, text_model = build_models(device)
+    on_gpu = getattr(device, "type", str(device)) == "cuda"
+    workers = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="preprocess")
+    staging = torch.empty((1, 3, INPUT_SIZE, INPUT_SIZE)).pin_memory() if on_gpu else None
+    app = FastAPI(title="stagetrace demo")
+
+    def to_tensor(img: Any) -> Any:
+        arr = np.asarray(img, dtype=np.float32) / 255.0
+        return torch.from_numpy(arr).permute(2, 0, 1).unsqueeze(0).contiguous()
+
+    def infer(model: Any, x: Any) -> dict[str, Any]:
+        xd = stagetrace.h2d(x, device)
+        with torch.no_grad(), stagetrace.gpu_stage("infer"):
+            logits = model(xd)
+        out = stagetrace.d2h(logits)
+        with stagetrace.stage("postprocess"):
+            return _postprocess(out)
+
+    @app.post("/predict")
+    async def predict(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        with stagetrace.stage("decode"):  # on the event loop: every other request waits
+            img = Image.open(io.BytesIO(raw)).convert("RGB")
+        with stagetrace.stage("resize"):
+            img = img.resize((INPUT_SIZE, INPUT_SIZE), Image.BILINEAR)
+        with stagetrace.stage("to_tensor"):
+            x = to_tensor(img)  # pageable memory
+        return infer(cnn, x)
+
+    @stagetrace.stage("preprocess")
+    def preprocess(raw: bytes) -> Any:
+        img = Image.open(io.BytesIO(raw))
+        img.draft("RGB", (INPUT_SIZE, INPUT_SIZE))  # JPEG DCT scaling: decode at reduced size
+        with stagetrace.stage("decode"):
+            img = img.convert("RGB")
+        with stagetrace.stage("resize"):
+            img = img.resize((INPUT_SIZE, INPUT_SIZE), Image.BILINEAR)
+        with stagetrace.stage("to_tensor"):
+            return to_tensor(img)
+
+    @app.post("/predict-optimized")
+    async def predict_optimized(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        x = await asyncio.get_running_loop().run_in_executor(workers, preprocess, raw)
+        if staging is not None:
+            x = staging.copy_(x)  # pinned staging buffer: the copy to the GPU can be truly asynchronous
+        return await asyncio.to_thread(infer, cnn, x)
+
+    @app.post("/classify")
+    async def classify(request: Request) -> dict[str, Any]:
+        text = (await request.body()).decode()
+        with stagetrace.stage("tokenize"):  # slow regex, on the event loop
+            ids = torch.tensor([slow_tokenize(text)], dtype=torch.long)
+        return infer(text_model, ids.flatten())
+
+    @app.post("/classify-optimized")
+    async def classify_optimized(request: Request) -> dict[str, Any]:
+        text = (await request.body()).decode()
+
+        @stagetrace.stage("tokenize")
+        def tokenize() -> Any:
+            return torch.tensor(fast_tokenize(text), dtype=torch.long)
+
+        ids = await asyncio.to_thread(tokenize)
+        return await asyncio.to_thread(infer, text_model, ids)
+
+    return app
+
+
+ROUTES = {
+    ("image", False): "/predict",
+    ("image", True): "/predict-optimized",
+    ("text", False): "/classify",
+    ("text", True): "/classify-optimized",
+}

@@ -1,0 +1,175 @@
+"""Runs the demo: service, load, tables, HTML report."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import stagetrace
+from stagetrace.analysis import Verdict
+from stagetrace.report.aggregate import Aggregator
+from stagetrace.report.render import html_report, text_report
+
+
+class _Progress:
+    def __init__(self, total: int, label: str, enabled: bool) -> None:
+        self.total, self.label, self.enabled = total, label, enabled
+        self.done = 0
+        self.errors = 0
+        self.t0 = time.monotonic()
+        self.tty = sys.stderr.isatty()
+        self._last_pct = -1
+
+    def tick(self, ok: bool) -> None:
+        self.done += 1
+        self.errors += not ok
+        if not self.enabled:
+            return
+        pct = self.done * 100 // self.total
+        if not self.tty and pct // 25 == self._last_pct // 25 and self.done != self.total:
+            return
+        self._last_pct = pct
+        width = 30
+        filled = width * self.done // self.total
+        rate = self.done / max(1e-9, time.monotonic() - self.t0)
+        line = f"{self.label:<22} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {rate:6.1f} req/s"
+        sys.stderr.write(("\r" + line) if self.tty else line + "\n")
+        if self.tty and self.done == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _serve(app: Any) -> tuple[Any, threading.Thread, str]:
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, name="demo-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the demo server did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+def _drive(url: str, path: str, requests: int, concurrency: int, payload: bytes, progress: _Progress) -> None:
+    with tempfile.NamedTemporaryFile(delete=False, suffix=".bin") as fh:
+        fh.write(payload)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stagetrace.demo.load", url, path, str(requests), str(concurrency), fh.name],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            progress.tick(line.startswith("ok"))
+        proc.wait(timeout=60)
+    finally:
+        os.unlink(fh.name)
+
+
+def _compare(before: dict[str, Any], after: dict[str, Any]) -> str:
+    rows = [("traces", str(before["traces"]), str(after["traces"]))]
+    for q in ("p50", "p95", "p99"):
+        rows.append((f"request {q} ms", f"{before['total_ms'][q]:.1f}", f"{after['total_ms'][q]:.1f}"))
+    rows.append(("slow traces", str(before["slow_traces"]), str(after["slow_traces"])))
+    for name in dict.fromkeys([*before["stages"], *after["stages"]]):
+        b, a = before["stages"].get(name), after["stages"].get(name)
+        rows.append((f"  {name} p50 ms", f"{b['p50_ms']:.2f}" if b else "-", f"{a['p50_ms']:.2f}" if a else "-"))
+    codes = dict.fromkeys([*before["diagnoses"], *after["diagnoses"]])
+    for code in codes:
+        rows.append((f"  {code}", str(before["diagnoses"].get(code, 0)), str(after["diagnoses"].get(code, 0))))
+    w = max(len(r[0]) for r in rows)
+    lines = [f"{'':{w}}  {'before':>10}  {'after (--optimized)':>20}"]
+    lines += [f"{label:{w}}  {b:>10}  {a:>20}" for label, b, a in rows]
+    return "\n".join(lines)
+
+
+def run_demo(
+    *,
+    requests: int = 200,
+    concurrency: int = 8,
+    pipeline: str = "image",
+    optimized: bool = False,
+    out_dir: str = "stagetrace-out",
+    slow_threshold_ms: float | None = None,
+    progress: bool = True,
+) -> int:
+    import torch
+
+    from stagetrace.demo import pipelines
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("traces-stagetrace-demo-*.jsonl*"):
+        old.unlink()
+    traces_path = out / f"traces-stagetrace-demo-{os.getpid()}.jsonl"
+    aggregators: dict[str, Aggregator] = {}
+
+    def on_verdict(v: Verdict) -> None:
+        if v.route in aggregators:
+            aggregators[v.route].add(v)
+
+    env_exporter = any(os.environ.get(k) for k in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT"))
+    handle = stagetrace.configure(
+        "stagetrace-demo",
+        slow_threshold_ms=slow_threshold_ms,
+        on_verdict=on_verdict,
+        traces_path=None if env_exporter else traces_path,
+    )
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    app = pipelines.build_app(device)
+    stagetrace.instrument_fastapi(app)
+    payload = pipelines.make_jpeg() if pipeline == "image" else pipelines.make_text().encode()
+    server, thread, url = _serve(app)
+    summaries: dict[bool, dict[str, Any]] = {}
+    try:
+        print(
+            f"stagetrace demo: {pipeline} pipeline on {device.type}, service at {url}, "
+            f"{requests} requests, {concurrency} in flight",
+            file=sys.stderr,
+        )
+        for fixed in [False, True] if optimized else [False]:
+            route = pipelines.ROUTES[(pipeline, fixed)]
+            aggregators[route] = Aggregator()
+            bar = _Progress(requests, "optimized" if fixed else "baseline", progress)
+            _drive(url, route, min(20, requests), concurrency, payload, _Progress(1, "", False))  # warm-up
+            handle.force_flush()
+            aggregators[route] = Aggregator()
+            _drive(url, route, requests, concurrency, payload, bar)
+            handle.force_flush()
+            summaries[fixed] = aggregators[route].summary()
+            if bar.errors:
+                print(f"{bar.errors} requests failed", file=sys.stderr)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    handle.force_flush()
+    route = pipelines.ROUTES[(pipeline, False)]
+    print(text_report(summaries[False], f"stagetrace demo ({pipeline}, {route})"))
+    if optimized:
+        print()
+        print(text_report(summaries[True], f"stagetrace demo ({pipeline}, {pipelines.ROUTES[(pipeline, True)]})"))
+        print("\nBefore and after\n" + _compare(summaries[False], summaries[True]))
+    html_path = out / "report.html"
+    agg = aggregators[route]
+    html_path.write_text(
+        html_report(summaries[False], agg.slowest(), f"stagetrace demo: {pipeline} pipeline"), encoding="utf-8"
+    )
+    handle.shutdown()
+    print()
+    if handle.traces_path:
+        print(f"traces (OTLP JSON lines): {handle.traces_path}")
+        print(f"  summarise them again with: stagetrace report {handle.traces_path.parent}")
+    print(f"HTML report: {html_path}")
+    return 0

@@ -1,0 +1,128 @@
+"""Summaries of many verdicts, shared by ``stagetrace demo`` and ``stagetrace report``. Pure: verdicts in,
+numbers out; memory bounded by the number of distinct stages and the slowest-traces list."""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from stagetrace.analysis import Verdict
+from stagetrace.analysis.diagnosis import ADVICE
+from stagetrace.report.sketch import QuantileSketch
+
+
+@dataclass
+class StageSummary:
+    kind: str = "cpu"
+    latency: QuantileSketch = field(default_factory=QuantileSketch)
+    share_sum: float = 0.0
+    traces: int = 0
+    bottleneck: int = 0
+
+
+@dataclass(order=True)
+class _Slow:
+    total_ms: float
+    seq: int
+    verdict: Verdict = field(compare=False)
+    waterfall: list[dict[str, Any]] = field(compare=False)
+
+
+class Aggregator:
+    """Feed verdicts (with an optional waterfall: spans as dicts with name, start_ms, end_ms, depth, kind);
+    read ``summary()``."""
+
+    def __init__(self, keep_slowest: int = 10) -> None:
+        self.traces = 0
+        self.slow_traces = 0
+        self.stages: dict[str, StageSummary] = {}
+        self.bottlenecks: Counter[str] = Counter()
+        self.diagnoses: Counter[str] = Counter()
+        self.messages: dict[str, str] = {}
+        self.total = QuantileSketch()
+        self.gpu_utilization = QuantileSketch()
+        self._slowest: list[_Slow] = []
+        self._keep = keep_slowest
+        self._seq = 0
+
+    def add(self, verdict: Verdict, waterfall: list[dict[str, Any]] | None = None) -> None:
+        self.traces += 1
+        self.slow_traces += bool(verdict.slow)
+        self.total.add(verdict.total_ms)
+        total = verdict.total_ms or 0.0
+        for name, ms in verdict.breakdown.items():
+            s = self.stages.get(name)
+            if s is None:
+                s = self.stages[name] = StageSummary(kind=verdict.stage_kinds.get(name, "cpu"))
+            s.latency.add(ms)
+            s.traces += 1
+            s.share_sum += min(1.0, ms / total) if total > 0 else 0.0
+        if verdict.bottleneck:
+            self.bottlenecks[verdict.bottleneck] += 1
+            if verdict.bottleneck in self.stages:
+                self.stages[verdict.bottleneck].bottleneck += 1
+        for d in verdict.diagnoses:
+            self.diagnoses[d.code] += 1
+            self.messages.setdefault(d.code, d.message)
+        if verdict.gpu_utilization is not None:
+            self.gpu_utilization.add(verdict.gpu_utilization)
+        self._seq += 1
+        item = _Slow(verdict.total_ms, self._seq, verdict, waterfall or [])
+        if len(self._slowest) < self._keep:
+            heapq.heappush(self._slowest, item)
+        elif item.total_ms > self._slowest[0].total_ms:
+            heapq.heapreplace(self._slowest, item)
+
+    def would_keep(self, total_ms: float) -> bool:
+        """Whether a trace this long enters the slowest list (so its waterfall is worth building)."""
+        return len(self._slowest) < self._keep or total_ms > self._slowest[0].total_ms
+
+    def slowest(self) -> list[tuple[Verdict, list[dict[str, Any]]]]:
+        return [(s.verdict, s.waterfall) for s in sorted(self._slowest, reverse=True)]
+
+    def summary(self) -> dict[str, Any]:
+        """The ``--json`` shape: traces, slow_traces, stages (p50/p95/p99/mean share), bottlenecks, diagnoses."""
+        stages = {}
+        for name, s in self.stages.items():
+            stages[name] = {
+                "kind": s.kind,
+                "traces": s.traces,
+                "p50_ms": round(s.latency.quantile(0.50), 3),
+                "p95_ms": round(s.latency.quantile(0.95), 3),
+                "p99_ms": round(s.latency.quantile(0.99), 3),
+                "mean_ms": round(s.latency.mean, 3),
+                "mean_share": round(s.share_sum / self.traces, 4) if self.traces else 0.0,
+                "bottleneck_traces": s.bottleneck,
+            }
+        out: dict[str, Any] = {
+            "traces": self.traces,
+            "slow_traces": self.slow_traces,
+            "total_ms": {
+                "p50": round(self.total.quantile(0.5), 3),
+                "p95": round(self.total.quantile(0.95), 3),
+                "p99": round(self.total.quantile(0.99), 3),
+            },
+            "stages": stages,
+            "bottlenecks": dict(self.bottlenecks.most_common()),
+            "diagnoses": dict(self.diagnoses.most_common()),
+            "advice": {code: ADVICE.get(code, "") for code in self.diagnoses},
+            "examples": {code: self.messages[code] for code in self.diagnoses},
+        }
+        if self.gpu_utilization.count:
+            out["gpu_utilization"] = {
+                "mean": round(self.gpu_utilization.mean, 4),
+                "p50": round(self.gpu_utilization.quantile(0.5), 4),
+            }
+        out["slowest"] = [
+            {
+                "trace_id": v.trace_id,
+                "root": v.root_name,
+                "total_ms": round(v.total_ms, 3),
+                "bottleneck": v.bottleneck,
+                "diagnoses": list(v.diagnosis_codes),
+            }
+            for v, _ in self.slowest()
+        ]
+        return out

@@ -1,0 +1,193 @@
+"""Tables for the terminal and a self-contained HTML page (inline CSS and SVG, no network access)."""
+
+from __future__ import annotations
+
+import html
+import textwrap
+from typing import Any
+
+from stagetrace.report.aggregate import Aggregator
+
+KIND_COLORS = {
+    "cpu": "#4e79a7",
+    "io": "#59a14f",
+    "wait": "#e15759",
+    "h2d": "#f28e2b",
+    "gpu": "#76b7b2",
+    "d2h": "#edc948",
+    "span": "#bab0ac",
+}
+
+
+def _table(headers: list[str], rows: list[list[str]], align: str) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def fmt(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if a == "r" else c.ljust(w) for c, w, a in zip(cells, widths, align))
+
+    return "\n".join([fmt(headers), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
+
+
+def text_report(summary: dict[str, Any], title: str = "stagetrace") -> str:
+    n = summary["traces"]
+    out = [
+        f"{title}: {n} traces, {summary['slow_traces']} slow ({summary['slow_traces'] / n:.0%})"
+        if n
+        else f"{title}: no traces",
+    ]
+    if not n:
+        return out[0]
+    t = summary["total_ms"]
+    out.append(f"request latency: p50 {t['p50']:.1f} ms, p95 {t['p95']:.1f} ms, p99 {t['p99']:.1f} ms")
+    if "gpu_utilization" in summary:
+        g = summary["gpu_utilization"]
+        out.append(f"GPU utilisation over traces: mean {g['mean']:.0%}, p50 {g['p50']:.0%}")
+    stages = summary["stages"]
+    rows = [
+        [
+            name,
+            s["kind"],
+            f"{s['p50_ms']:.2f}",
+            f"{s['p95_ms']:.2f}",
+            f"{s['p99_ms']:.2f}",
+            f"{s['mean_share']:.0%}",
+            f"{s['bottleneck_traces'] / n:.0%}",
+        ]
+        for name, s in stages.items()
+    ]
+    out += ["", "Stages (time charged per request, in pipeline order)"]
+    out.append(_table(["stage", "kind", "p50 ms", "p95 ms", "p99 ms", "mean share", "bottleneck"], rows, "llrrrrr"))
+    if summary["bottlenecks"]:
+        out += ["", "Bottleneck stage (share of traces)"]
+        width = 40
+        for name, count in summary["bottlenecks"].items():
+            bar = "#" * max(1, round(width * count / n))
+            out.append(f"  {name:<18} {bar:<{width}} {count / n:6.1%}  ({count})")
+    out += ["", "Diagnoses"]
+    if not summary["diagnoses"]:
+        out.append("  none fired")
+    for code, count in summary["diagnoses"].items():
+        out.append(f"  {code}  {count} traces ({count / n:.0%}), e.g. {summary['examples'].get(code, '')}")
+        for line in textwrap.wrap(summary["advice"].get(code, ""), 100):
+            out.append(f"      {line}")
+    return "\n".join(out)
+
+
+def _esc(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _bar_svg(items: list[tuple[str, float, str]], width: int = 640, bar_h: int = 22) -> str:
+    """Horizontal bars; items are (label, value 0..1, color)."""
+    h = bar_h * len(items) + 8
+    parts = [f'<svg class="bars" width="{width}" height="{h}" role="img" xmlns="http://www.w3.org/2000/svg">']
+    label_w, max_w = 170, width - 250
+    for i, (label, value, color) in enumerate(items):
+        y = 4 + i * bar_h
+        w = max(1.0, value * max_w)
+        parts.append(f'<text x="0" y="{y + 15}" class="lbl">{_esc(label)}</text>')
+        parts.append(f'<rect x="{label_w}" y="{y + 3}" width="{w:.1f}" height="{bar_h - 6}" fill="{color}"/>')
+        parts.append(f'<text x="{label_w + w + 6:.1f}" y="{y + 15}" class="val">{value:.1%}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _waterfall_svg(spans: list[dict[str, Any]], width: int = 900) -> str:
+    if not spans:
+        return "<p>No spans kept for this trace.</p>"
+    total = max(s["end_ms"] for s in spans) or 1.0
+    row, label_w = 18, 220
+    h = row * len(spans) + 24
+    scale = (width - label_w - 70) / total
+    parts = [f'<svg class="waterfall" width="{width}" height="{h}" xmlns="http://www.w3.org/2000/svg">']
+    for i, s in enumerate(spans):
+        y = i * row
+        x = label_w + max(0.0, s["start_ms"]) * scale
+        w = max(1.0, (s["end_ms"] - s["start_ms"]) * scale)
+        color = KIND_COLORS.get(s["kind"], KIND_COLORS["span"])
+        name = ("  " * s["depth"]) + s["name"]
+        parts.append(f'<text x="0" y="{y + 13}" class="lbl">{_esc(name[:34])}</text>')
+        parts.append(
+            f'<rect x="{x:.1f}" y="{y + 3}" width="{w:.1f}" height="{row - 5}" fill="{color}">'
+            f"<title>{_esc(s['name'])}: {s['end_ms'] - s['start_ms']:.2f} ms</title></rect>"
+        )
+        parts.append(f'<text x="{x + w + 4:.1f}" y="{y + 13}" class="val">{s["end_ms"] - s["start_ms"]:.1f}</text>')
+    parts.append(f'<text x="{label_w}" y="{h - 4}" class="axis">0 ms</text>')
+    parts.append(f'<text x="{width - 60}" y="{h - 4}" class="axis">{total:.1f} ms</text></svg>')
+    return "".join(parts)
+
+
+CSS = """
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1000px;color:#222}
+h1{font-size:22px;margin-bottom:4px} h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd}
+.kpi{display:inline-block;margin:6px 18px 6px 0;padding:8px 14px;background:#f4f6f8;border-radius:6px}
+.kpi b{display:block;font-size:20px} table{border-collapse:collapse;margin:8px 0}
+td,th{padding:4px 10px;border-bottom:1px solid #eee;text-align:right} td:first-child,th:first-child{text-align:left}
+.lbl{font-size:12px;fill:#333} .val,.axis{font-size:11px;fill:#666} .code{font-family:monospace;font-weight:bold}
+.advice{color:#444;margin:2px 0 12px 0} .legend span{display:inline-block;width:12px;height:12px;margin:0 4px 0 12px}
+"""
+
+
+def html_report(summary: dict[str, Any], slowest: list[tuple[Any, list[dict[str, Any]]]], title: str) -> str:
+    n = summary["traces"] or 1
+    t = summary["total_ms"]
+    stages = summary["stages"]
+    kpis = [
+        ("traces", f"{summary['traces']}"),
+        ("slow traces", f"{summary['slow_traces']} ({summary['slow_traces'] / n:.0%})"),
+        ("p50 latency", f"{t['p50']:.1f} ms"),
+        ("p99 latency", f"{t['p99']:.1f} ms"),
+    ]
+    if "gpu_utilization" in summary:
+        kpis.append(("GPU utilisation", f"{summary['gpu_utilization']['mean']:.0%}"))
+    body = [f"<h1>{_esc(title)}</h1>", "<div>"]
+    body += [f'<div class="kpi" data-kpi="{_esc(k)}">{_esc(k)}<b>{_esc(v)}</b></div>' for k, v in kpis]
+    body.append("</div>")
+    legend = "".join(f'<span style="background:{c}"></span>{k}' for k, c in KIND_COLORS.items() if k != "span")
+    body.append(f'<p class="legend">stage kinds:{legend}</p>')
+    body.append("<h2>Stage breakdown (mean share of request time)</h2>")
+    body.append(_bar_svg([(k, s["mean_share"], KIND_COLORS.get(s["kind"], "#888")) for k, s in stages.items()]))
+    rows = "".join(
+        f"<tr><td>{_esc(k)}</td><td>{_esc(s['kind'])}</td><td>{s['p50_ms']:.2f}</td><td>{s['p95_ms']:.2f}</td>"
+        f"<td>{s['p99_ms']:.2f}</td><td>{s['mean_share']:.1%}</td><td>{s['bottleneck_traces']}</td></tr>"
+        for k, s in stages.items()
+    )
+    body.append(
+        '<table id="stages"><tr><th>stage</th><th>kind</th><th>p50 ms</th><th>p95 ms</th><th>p99 ms</th>'
+        f"<th>mean share</th><th>bottleneck in</th></tr>{rows}</table>"
+    )
+    body.append("<h2>Bottleneck distribution</h2>")
+    body.append(
+        _bar_svg(
+            [
+                (k, v / n, KIND_COLORS.get(stages.get(k, {}).get("kind", ""), "#888"))
+                for k, v in summary["bottlenecks"].items()
+            ]
+        )
+    )
+    body.append("<h2>Diagnoses</h2>")
+    if not summary["diagnoses"]:
+        body.append("<p>No diagnosis fired.</p>")
+    for code, count in summary["diagnoses"].items():
+        body.append(
+            f'<p><span class="code">{_esc(code)}</span> in {count} traces ({count / n:.0%}): '
+            f"{_esc(summary['examples'].get(code, ''))}</p>"
+            f'<p class="advice">{_esc(summary["advice"].get(code, ""))}</p>'
+        )
+    body.append("<h2>Slowest traces</h2>")
+    for verdict, spans in slowest:
+        codes = ", ".join(verdict.diagnosis_codes) or "no diagnosis"
+        body.append(
+            f'<h3 class="trace">{_esc(verdict.root_name)} {verdict.total_ms:.1f} ms: bottleneck '
+            f"{_esc(verdict.bottleneck)} ({verdict.ratio:.0%}); {_esc(codes)}</h3>"
+            f'<p class="tid">trace {_esc(verdict.trace_id)}</p>{_waterfall_svg(spans)}'
+        )
+    return (
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{_esc(title)}</title>'
+        f"<style>{CSS}</style></head><body>{''.join(body)}</body></html>"
+    )
+
+
+def render_all(agg: Aggregator, title: str) -> tuple[str, str]:
+    summary = agg.summary()
+    return text_report(summary, title), html_report(summary, agg.slowest(), title)

@@ -1,0 +1,152 @@
+"""One exported trace (its spans) to a verdict and a waterfall.
+
+A trace whose only verdict sits on its global root keeps that verdict (what the process computed, GPU
+timing and signals included). Otherwise (no verdict at all, or several services each with a local verdict)
+the verdict is computed over the whole trace from its global root, with the same analysis and rules the
+in-process finalizer uses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stagetrace import conventions as c
+from stagetrace.analysis import (
+    Diagnosis,
+    DiagnosisThresholds,
+    StageSample,
+    TraceSignals,
+    Verdict,
+    analyse_trace,
+    build_verdict,
+    diagnose,
+)
+from stagetrace.analysis.diagnosis import ADVICE
+from stagetrace.report.loader import Span
+
+
+def global_root(spans: list[Span]) -> Span:
+    ids = {s.span_id for s in spans}
+    true_roots = [s for s in spans if not s.parent_span_id]
+    orphans = [s for s in spans if s.parent_span_id and s.parent_span_id not in ids]
+    candidates = true_roots or orphans or spans
+    return min(candidates, key=lambda s: (s.start_ns, -s.end_ns))
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _stored_verdict(root: Span, trace_id: str) -> Verdict:
+    a = root.attributes
+    names = list(a.get(c.STAGES) or ())
+    values = list(a.get(c.STAGES_MS) or ())
+    breakdown = dict(zip(names, (float(v) for v in values)))
+    messages = {
+        ev.get(c.DIAGNOSIS_EVENT_CODE): ev
+        for name, ev in root.events
+        if name == c.DIAGNOSIS_EVENT and ev.get(c.DIAGNOSIS_EVENT_CODE)
+    }
+    diagnoses = tuple(
+        Diagnosis(
+            code=str(code),
+            message=str(messages.get(code, {}).get(c.DIAGNOSIS_EVENT_MESSAGE, "")),
+            advice=str(messages.get(code, {}).get(c.DIAGNOSIS_EVENT_ADVICE, ADVICE.get(str(code), ""))),
+            stage=messages.get(code, {}).get(c.DIAGNOSIS_EVENT_STAGE),
+        )
+        for code in a.get(c.DIAGNOSIS) or ()
+    )
+    return Verdict(
+        trace_id=trace_id,
+        root_name=root.name,
+        total_ms=_float(a.get(c.TOTAL_MS)) or (root.end_ns - root.start_ns) / 1e6,
+        breakdown=breakdown,
+        bottleneck=a.get(c.BOTTLENECK_STAGE),
+        ratio=_float(a.get(c.BOTTLENECK_RATIO)) or 0.0,
+        slow=bool(a.get(c.SLOW)),
+        slow_threshold_ms=_float(a.get(c.SLOW_THRESHOLD_MS)) or 0.0,
+        untracked_ms=_float(a.get(c.UNTRACKED_MS)) or 0.0,
+        diagnoses=diagnoses,
+        route=a.get(c.HTTP_ROUTE),
+        gpu_utilization=_float(a.get(c.GPU_UTILIZATION)),
+        gil_pressure_ms=_float(a.get(c.GIL_PRESSURE_MS)),
+        loop_lag_ms=_float(a.get(c.LOOP_LAG_MS)),
+    )
+
+
+def _sample(span: Span, parent_stage: str) -> StageSample:
+    a = span.attributes
+    return StageSample(
+        name=str(a.get(c.STAGE, span.name)),
+        kind=str(a.get(c.STAGE_KIND, "cpu")),
+        start_ns=span.start_ns,
+        end_ns=max(span.start_ns, span.end_ns),
+        span_id=int(span.span_id, 16),
+        parent_stage_id=int(parent_stage, 16) if parent_stage else 0,
+        gpu_ms=_float(a.get(c.GPU_DURATION_MS)),
+        cpu_ms=_float(a.get(c.CPU_MS)),
+        blocked_ms=_float(a.get(c.BLOCKED_MS)),
+        runqueue_ms=_float(a.get(c.RUNQUEUE_MS)),
+        on_event_loop=bool(a.get(c.ON_EVENT_LOOP, False)),
+        h2d_bytes=a.get(c.H2D_BYTES),
+        h2d_pinned=a.get(c.H2D_PINNED),
+        gpu_utilization=_float(a.get(c.GPU_UTILIZATION)),
+        queue_saturated=a.get(c.QUEUE_SATURATED),
+    )
+
+
+def verdict_for_trace(
+    spans: list[Span], slow_threshold_ms: float = 200.0, thresholds: DiagnosisThresholds | None = None
+) -> Verdict:
+    root = global_root(spans)
+    trace_id = root.trace_id
+    with_verdict = [s for s in spans if c.TOTAL_MS in s.attributes]
+    if len(with_verdict) == 1 and with_verdict[0] is root:
+        return _stored_verdict(root, trace_id)
+    by_id = {s.span_id: s for s in spans}
+    samples = []
+    for s in spans:
+        if c.STAGE not in s.attributes or s is root or s.attributes.get(c.LATE):
+            continue
+        parent, hops = by_id.get(s.parent_span_id), 0
+        while parent is not None and c.STAGE not in parent.attributes and hops < 256:
+            parent, hops = by_id.get(parent.parent_span_id), hops + 1
+        samples.append(_sample(s, parent.span_id if parent is not None and c.STAGE in parent.attributes else ""))
+    threshold = _float(root.attributes.get(c.SLOW_THRESHOLD_MS)) or slow_threshold_ms
+    analysis = analyse_trace(root.start_ns, root.end_ns, samples, threshold)
+    signals = TraceSignals(
+        gpu_utilization=_float(root.attributes.get(c.GPU_UTILIZATION)),
+        gil_pressure_ms=_float(root.attributes.get(c.GIL_PRESSURE_MS)),
+        loop_lag_ms=_float(root.attributes.get(c.LOOP_LAG_MS)),
+    )
+    route = root.attributes.get(c.HTTP_ROUTE)
+    return build_verdict(
+        trace_id=trace_id,
+        root_name=root.name,
+        analysis=analysis,
+        diagnoses=diagnose(analysis, samples, signals, thresholds or DiagnosisThresholds()),
+        route=route if isinstance(route, str) else None,
+        signals=signals,
+    )
+
+
+def waterfall(spans: list[Span], limit: int = 200) -> list[dict[str, Any]]:
+    """Spans relative to the global root, with their depth, for drawing (the first ``limit`` by start)."""
+    root = global_root(spans)
+    by_id = {s.span_id: s for s in spans}
+    out = []
+    for s in sorted(spans, key=lambda x: x.start_ns)[:limit]:
+        depth, parent = 0, by_id.get(s.parent_span_id)
+        while parent is not None and depth < 32:
+            depth, parent = depth + 1, by_id.get(parent.parent_span_id)
+        out.append(
+            {
+                "name": s.name,
+                "service": s.service,
+                "kind": s.attributes.get(c.STAGE_KIND, "span"),
+                "start_ms": round((s.start_ns - root.start_ns) / 1e6, 3),
+                "end_ms": round((s.end_ns - root.start_ns) / 1e6, 3),
+                "depth": depth,
+            }
+        )
+    return out
