@@ -88,3 +88,16 @@ def otlp_receiver() -> Iterator[Any]:
     r = OtlpReceiver().start()
     yield r
     r.stop()
+
+
+@pytest.fixture(autouse=True)
+def restore_global_patches() -> Iterator[None]:
+    """Integrations patch classes (executor submit, starlette, fastapi): undo them after every test."""
+    yield
+    from stagetrace.integrations import auto_stages
+    from stagetrace.integrations.asgi import uninstall_request_signals
+    from stagetrace.integrations.threads import stop_propagating_context
+
+    uninstall_request_signals()
+    stop_propagating_context()
+    auto_stages.uninstrument()

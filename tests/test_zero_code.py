@@ -115,10 +115,12 @@ def test_uninstrument_restores_everything():
     from stagetrace.integrations.zero_code import StagetraceInstrumentor
 
     before = (concurrent.futures.ThreadPoolExecutor.submit, fastapi.routing.run_in_threadpool)
+    assert not any(getattr(f, "__stagetrace_wrapped__", False) for f in before)
     inst = StagetraceInstrumentor()
     inst.instrument()
     try:
-        assert concurrent.futures.ThreadPoolExecutor.submit is not before[0]
+        assert getattr(concurrent.futures.ThreadPoolExecutor.submit, "__stagetrace_wrapped__", False)
+        assert getattr(fastapi.routing.run_in_threadpool, "__stagetrace_wrapped__", False)
     finally:
         inst.uninstrument()
     assert (concurrent.futures.ThreadPoolExecutor.submit, fastapi.routing.run_in_threadpool) == before
