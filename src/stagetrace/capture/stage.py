@@ -375,7 +375,11 @@ def pipeline(name: str) -> Pipeline:
 
 def add_stage(name: str, kind: str, start_ns: int, end_ns: int, **fields: Any) -> None:
     """Record a stage that already happened (``perf_counter_ns`` times), e.g. a queue wait that an
-    integration measured, in the current trace. ``fields`` set analysis fields such as queue_saturated."""
+    integration measured, in the current trace (outside any trace it records nothing). ``fields`` set
+    analysis fields such as queue_saturated."""
+    span = _get_context().get(_SPAN_KEY)
+    if span is None or not span.get_span_context().is_valid:
+        return
     rec = enter_stage(name, kind, None, False)
     if rec is not None:
         rec.start_ns = start_ns

@@ -1,22 +1,56 @@
-"""Context into worker threads: ``ThreadPoolExecutor.submit`` (and so ``loop.run_in_executor``) runs the
-function in a copy of the submitter's context, so stages in workers land in the request's trace.
-(``asyncio.to_thread`` and starlette's ``run_in_threadpool`` already copy it.)"""
+"""Context into worker threads, and the wait for a worker as a stage.
+
+``ThreadPoolExecutor.submit`` (and so ``loop.run_in_executor``) runs the function in a copy of the
+submitter's context, so stages in workers land in the request's trace. (``asyncio.to_thread`` and
+starlette's ``run_in_threadpool`` already copy it.) Inside a trace, the time between submission and a
+worker picking the task up becomes a ``wait`` stage named after the pool (``<thread_name_prefix>.wait``),
+noting whether every worker was busy, so QUEUEING can be told apart from dispatch latency.
+"""
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextvars
 import functools
+import time
 from typing import Any
 
+from opentelemetry.trace import get_current_span
+
+from stagetrace import _state
+from stagetrace.capture.stage import add_stage
 from stagetrace.integrations._common import Patch
+
+MIN_WAIT_NS = 500_000  # shorter waits are dispatch noise, not worth a span
+
+
+def _saturated(pool: Any) -> bool | None:
+    """Every worker busy, or tasks already queued, at submission (reads the pool's own bookkeeping)."""
+    try:
+        if pool._work_queue.qsize() > 0:
+            return True
+        return len(pool._threads) >= pool._max_workers and pool._idle_semaphore._value == 0
+    except AttributeError:
+        return None
 
 
 def _make_submit(original: Any) -> Any:
     @functools.wraps(original)
     def submit(self: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
         ctx = contextvars.copy_context()
-        return original(self, ctx.run, fn, *args, **kwargs)
+        if _state.runtime is None or not get_current_span().get_span_context().is_valid:
+            return original(self, ctx.run, fn, *args, **kwargs)
+        name = f"{getattr(self, '_thread_name_prefix', '') or 'executor'}.wait"
+        saturated = _saturated(self)
+        submitted = time.perf_counter_ns()
+
+        def timed(*a: Any, **k: Any) -> Any:
+            started = time.perf_counter_ns()
+            if started - submitted >= MIN_WAIT_NS:
+                add_stage(name, "wait", submitted, started, queue_saturated=saturated)
+            return fn(*a, **k)
+
+        return original(self, ctx.run, timed, *args, **kwargs)
 
     return submit
 
