@@ -5,6 +5,8 @@
 The same FastAPI endpoint (6 stages of real CPU work, ~9 ms a request) served by uvicorn in three variants,
 each in its own server process on 127.0.0.1:
   uninstrumented   no OpenTelemetry at all;
+  contrib-only     the contrib FastAPI instrumentation alone (server span and HTTP metrics, no stages),
+                   to show what any OpenTelemetry FastAPI setup pays before stages;
   handwritten      the contrib FastAPI instrumentation plus one SDK span per stage (what a user writes
                    today), BatchSpanProcessor;
   stagetrace       stagetrace.instrument_fastapi with every signal on (CPU accounting, GIL sampler,
@@ -70,7 +72,7 @@ def make_app(variant: str):
         def predict():
             return {"n": sum(cpu_work(ms) for _, ms in STAGES)}
 
-    elif variant == "handwritten":
+    elif variant in ("handwritten", "contrib-only"):
         from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -80,13 +82,21 @@ def make_app(variant: str):
         provider.add_span_processor(BatchSpanProcessor(EncodingExporter()))
         tracer = provider.get_tracer("bench")
 
-        @app.get("/predict")
-        def predict():
-            n = 0
-            for name, ms in STAGES:
-                with tracer.start_as_current_span(name):
-                    n += cpu_work(ms)
-            return {"n": n}
+        if variant == "contrib-only":
+
+            @app.get("/predict")
+            def predict():
+                return {"n": sum(cpu_work(ms) for _, ms in STAGES)}
+
+        else:
+
+            @app.get("/predict")
+            def predict():
+                n = 0
+                for name, ms in STAGES:
+                    with tracer.start_as_current_span(name):
+                        n += cpu_work(ms)
+                return {"n": n}
 
         FastAPIInstrumentor.instrument_app(app, tracer_provider=provider, exclude_spans=["send", "receive"])
     else:
@@ -164,7 +174,7 @@ def start_server(variant: str, per_ms: float) -> tuple[subprocess.Popen[bytes], 
     raise RuntimeError(f"{variant} server did not start")
 
 
-VARIANTS = ("uninstrumented", "handwritten", "stagetrace", "stagetrace-nocpu")
+VARIANTS = ("uninstrumented", "contrib-only", "handwritten", "stagetrace", "stagetrace-nocpu")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -143,9 +143,6 @@ def run_demo(
             route = pipelines.ROUTES[(pipeline, fixed)]
             aggregators[route] = Aggregator()
             bar = _Progress(requests, "optimized" if fixed else "baseline", progress)
-            _drive(url, route, min(20, requests), concurrency, payload, _Progress(1, "", False))  # warm-up
-            handle.force_flush()
-            aggregators[route] = Aggregator()
             _drive(url, route, requests, concurrency, payload, bar)
             handle.force_flush()
             summaries[fixed] = aggregators[route].summary()

@@ -1,0 +1,70 @@
+"""The main job end to end: `stagetrace demo` (a short run) and `stagetrace report` on what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def stagetrace_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "stagetrace.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env=env,
+    )
+
+
+def test_demo_runs_and_report_reads_what_it_wrote(tmp_path):
+    out_dir = tmp_path / "out"
+    demo = stagetrace_cli("demo", "--requests", "24", "--concurrency", "4", "--out", str(out_dir), cwd=tmp_path)
+    assert demo.returncode == 0, demo.stderr[-3000:]
+    text = demo.stdout
+    assert "stagetrace demo (image, /predict): 24 traces" in text
+    for heading in ("Stages (time charged per request", "Bottleneck stage", "Diagnoses"):
+        assert heading in text
+    for stage in ("decode", "resize", "to_tensor", "h2d", "infer", "d2h", "postprocess"):
+        assert f"\n{stage} " in text
+    assert "EVENT_LOOP_BLOCKED" in text  # the naive pipeline decodes on the event loop
+    assert "24/24" in demo.stderr  # the progress bar
+    assert (out_dir / "report.html").stat().st_size > 1000
+    (traces,) = out_dir.glob("traces-*.jsonl")
+    assert str(traces) in text
+
+    report = stagetrace_cli("report", str(out_dir), "--json", cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    doc = json.loads(report.stdout)
+    assert doc["traces"] == 24
+    assert {"decode", "infer", "postprocess"} <= set(doc["stages"])
+    assert sum(doc["bottlenecks"].values()) == 24
+
+
+def test_demo_optimized_prints_before_and_after_for_the_text_pipeline(tmp_path):
+    demo = stagetrace_cli(
+        "demo",
+        "--pipeline",
+        "text",
+        "--optimized",
+        "--requests",
+        "16",
+        "--concurrency",
+        "4",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "o"),
+        cwd=tmp_path,
+    )
+    assert demo.returncode == 0, demo.stderr[-3000:]
+    assert "Before and after" in demo.stdout
+    assert "tokenize" in demo.stdout and "/classify-optimized" in demo.stdout
+
+
+def test_cli_rejects_bad_arguments(tmp_path):
+    bad = stagetrace_cli("demo", "--requests", "0", cwd=tmp_path)
+    assert bad.returncode == 2 and "must be >= 1" in bad.stderr

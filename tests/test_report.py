@@ -1,0 +1,206 @@
+"""stagetrace report: streaming reader, joins across services and files, verdicts from global roots,
+malformed lines, --json, --html (opened in headless Chromium)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import stagetrace
+from stagetrace import conventions as c
+from stagetrace.cli.report import run_report
+from stagetrace.report.loader import spans_from_line
+from stagetrace.report.sketch import QuantileSketch
+
+MS = 1_000_000
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+
+
+def kv(key, value):
+    if isinstance(value, bool):
+        v = {"boolValue": value}
+    elif isinstance(value, int):
+        v = {"intValue": str(value)}
+    elif isinstance(value, float):
+        v = {"doubleValue": value}
+    else:
+        v = {"stringValue": value}
+    return {"key": key, "value": v}
+
+
+def span(trace, sid, parent, name, start_ms, end_ms, attrs=None, kind=1):
+    return {
+        "traceId": trace,
+        "spanId": sid,
+        "parentSpanId": parent,
+        "name": name,
+        "kind": kind,
+        "startTimeUnixNano": str(1_700_000_000_000 * MS + int(start_ms * MS)),
+        "endTimeUnixNano": str(1_700_000_000_000 * MS + int(end_ms * MS)),
+        "attributes": [kv(k, v) for k, v in (attrs or {}).items()],
+    }
+
+
+def line(service, spans):
+    return json.dumps(
+        {
+            "resourceSpans": [
+                {
+                    "resource": {"attributes": [kv("service.name", service)]},
+                    "scopeSpans": [{"scope": {"name": "x"}, "spans": spans}],
+                }
+            ]
+        }
+    )
+
+
+def stage(trace, sid, parent, name, start, end, kind="cpu"):
+    return span(trace, sid, parent, name, start, end, {c.STAGE: name, c.STAGE_KIND: kind})
+
+
+T1 = "0af7651916cd43dd8448eb211c80319c"
+
+
+def test_quantile_sketch_is_accurate_within_its_bound():
+    s = QuantileSketch()
+    for v in range(1, 10001):
+        s.add(v / 10)
+    assert s.quantile(0.5) == pytest.approx(500, rel=0.02)
+    assert s.quantile(0.99) == pytest.approx(990, rel=0.02)
+
+
+def test_a_trace_across_two_services_and_files_gets_one_verdict_from_its_global_root(tmp_path):
+    # gateway (global root) -> model service (a remote child with its own stages)
+    gw = [
+        span(T1, "a" * 16, "", "POST /predict", 0, 100, {c.HTTP_ROUTE: "/predict"}, kind=2),
+        stage(T1, "b" * 16, "a" * 16, "decode", 1, 31),
+    ]
+    model = [
+        span(T1, "c" * 16, "a" * 16, "POST /infer", 35, 95, {c.TOTAL_MS: 60.0, c.STAGES: "x"}, kind=2),
+        stage(T1, "d" * 16, "c" * 16, "infer", 36, 90, kind="gpu"),
+    ]
+    (tmp_path / "gateway.jsonl").write_text(line("gateway", gw) + "\n")
+    (tmp_path / "model.jsonl").write_text(line("model", model) + "\n")
+    out = io.StringIO()
+    assert run_report([str(tmp_path)], as_json=True, out=out, err=io.StringIO()) == 0
+    doc = json.loads(out.getvalue())
+    assert doc["traces"] == 1
+    assert doc["bottlenecks"] == {"infer": 1}
+    assert set(doc["stages"]) == {"decode", "infer"}
+    assert doc["stages"]["infer"]["p50_ms"] == pytest.approx(54, rel=0.02)
+    assert doc["stages"]["infer"]["mean_share"] == pytest.approx(0.54, abs=0.01)
+    for key in ("slow_traces", "stages", "bottlenecks", "diagnoses"):
+        assert key in doc
+
+
+def test_malformed_lines_are_reported_and_skipped(tmp_path):
+    good = line("svc", [span(T1, "a" * 16, "", "root", 0, 10), stage(T1, "b" * 16, "a" * 16, "s", 1, 9)])
+    bad_lines = [
+        "{not json",
+        json.dumps({"hello": 1}),
+        line("svc", [{"traceId": T1, "name": "no ids"}]),
+        line("svc", [span("zz", "a" * 16, "", "bad id", 0, 1)]),
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join([bad_lines[0], good, *bad_lines[1:]]) + "\n")
+    out, err = io.StringIO(), io.StringIO()
+    assert run_report([str(path)], as_json=True, out=out, err=err) == 0
+    lines = err.getvalue().splitlines()
+    assert [ln.split(": ", 1)[0] for ln in lines] == [f"{path}:1", f"{path}:3", f"{path}:4", f"{path}:5"]
+    assert "invalid JSON" in lines[0] and "no resourceSpans" in lines[1]
+    doc = json.loads(out.getvalue())
+    assert doc["traces"] == 1 and doc["input"]["malformed"] == 4
+
+
+def test_base64_ids_from_generic_protobuf_json_are_accepted():
+    b64 = base64.b64encode(bytes.fromhex(T1)).decode()
+    sid = base64.b64encode(bytes.fromhex("a" * 16)).decode()
+    (s,) = spans_from_line(line("svc", [span(b64, sid, "", "root", 0, 1)]))
+    assert s.trace_id == T1 and s.span_id == "a" * 16
+
+
+def test_missing_path_is_a_clear_error():
+    err = io.StringIO()
+    assert run_report(["/no/such/file.jsonl"], out=io.StringIO(), err=err) == 2
+    assert "no such file" in err.getvalue()
+
+
+def test_report_uses_the_verdicts_stagetrace_exported(tmp_path, monkeypatch):
+    monkeypatch.setenv("STAGETRACE_OUTPUT_DIR", str(tmp_path))
+    import time
+
+    handle = stagetrace.configure("report-src", slow_threshold_ms=5, set_global=False)
+    for i in range(20):
+        with stagetrace.pipeline("job"):
+            with stagetrace.stage("decode"):
+                time.sleep(0.004 if i % 2 else 0.001)
+            with stagetrace.stage("infer", kind="io"):
+                time.sleep(0.002)
+    handle.force_flush()
+    handle.shutdown()
+    out = io.StringIO()
+    assert run_report([str(tmp_path)], as_json=True, out=out, err=io.StringIO()) == 0
+    doc = json.loads(out.getvalue())
+    assert doc["traces"] == 20
+    assert doc["slow_traces"] >= 10
+    assert set(doc["stages"]) == {"decode", "infer"}
+    assert sum(doc["bottlenecks"].values()) == 20
+
+
+def _chromium_driver(tmp_path):
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+
+    chromium, chromedriver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not chromium or not chromedriver:
+        pytest.skip("headless Chromium is not installed (apt-get install chromium chromium-driver)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'chrome-profile'}",
+        "--window-size=1100,1600",
+    ):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=Service(chromedriver), options=options)
+
+
+def test_html_report_renders_in_headless_chromium(tmp_path):
+    gw = [
+        span(T1, "a" * 16, "", "POST /predict", 0, 300, {c.HTTP_ROUTE: "/predict"}, kind=2),
+        stage(T1, "b" * 16, "a" * 16, "decode", 1, 240),
+        stage(T1, "d" * 16, "a" * 16, "infer", 241, 290, kind="gpu"),
+    ]
+    (tmp_path / "t.jsonl").write_text(line("gateway", gw) + "\n")
+    html_path = tmp_path / "report.html"
+    assert run_report([str(tmp_path / "t.jsonl")], html_path=str(html_path), out=io.StringIO()) == 0
+    page = html_path.read_text()
+    assert "http://" not in page.replace("http://www.w3.org/2000/svg", "")  # self-contained: nothing fetched
+    driver = _chromium_driver(tmp_path)
+    try:
+        driver.get(html_path.as_uri())
+        kpis = {e.get_attribute("data-kpi"): e.text for e in driver.find_elements("css selector", ".kpi")}
+        assert kpis["traces"].endswith("1")
+        assert "1 (100%)" in kpis["slow traces"]
+        rows = driver.find_elements("css selector", "#stages tr")
+        assert [r.find_elements("css selector", "td")[0].text for r in rows[1:]] == ["decode", "infer"]
+        assert len(driver.find_elements("css selector", "svg.waterfall rect")) == 3
+        errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
+        assert errors == []
+        ARTIFACTS.mkdir(exist_ok=True)
+        assert driver.save_screenshot(str(ARTIFACTS / "report.png"))
+    finally:
+        driver.quit()
