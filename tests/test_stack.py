@@ -214,7 +214,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
     support = attach_gpu(
         handle.runtime, backend=FakeCudaBackend(), nvml=FakeNvml(utilization=0.2), nvml_poll_interval_s=0.05
     )
-    server, thread = start_http_server(metrics_port, addr="127.0.0.1")
+    server, _thread = start_http_server(metrics_port, addr="127.0.0.1")
     app = FastAPI()
     gpu = support.backend.gpu
 
