@@ -24,7 +24,7 @@ def make_app() -> FastAPI:
 
     @app.get("/predict/{item}")
     async def predict(item: int):
-        decode(20_000)
+        decode(300_000)  # over 1 ms: CPU attributes are kept for stages of at least 1 ms
         async with stagetrace.stage("infer", kind="io"):
             await asyncio.sleep(0.002)
         return {"item": item}

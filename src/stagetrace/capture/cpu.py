@@ -5,15 +5,18 @@ reads of ``/proc/thread-self/schedstat`` (on-CPU ns, run-queue wait ns) and noth
 parses them. ``blocked = wall - on-CPU - run-queue``: time the thread was off-CPU and not waiting for a
 CPU, i.e. waiting for the GIL, a lock, I/O or a sleep. Elsewhere than Linux, thread CPU time only.
 
-GIL pressure: a sampler thread sleeps ``period`` and records how late it woke up. A CPU-bound Python
-thread holding the GIL makes it wait up to the switch interval (5 ms), an idle process wakes it within
-~0.1 ms. Event-loop lag: a task on each instrumented loop does the same with ``asyncio.sleep``.
+GIL pressure: a sampler thread sleeps ``period`` and records how late it woke up, minus its own run-queue
+time over the sleep (the OS's share of the delay on a busy or oversubscribed host), leaving the wait for
+the GIL. A CPU-bound Python thread holding the GIL makes it wait up to the switch interval (5 ms); with
+the GIL free the remainder is ~0.1 ms. Event-loop lag: a task on each instrumented loop does the same
+with ``asyncio.sleep``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import ctypes
 import os
 import statistics
 import sys
@@ -24,17 +27,17 @@ from typing import Any
 from stagetrace._safety import report_internal_error
 
 _SCHEDSTAT = "/proc/thread-self/schedstat"
-_pread = os.pread
 _perf_ns = time.perf_counter_ns
 
 
 class _ThreadFd:
-    """Closes the thread's schedstat fd when the thread's locals go away."""
+    """The thread's schedstat fd and read buffer; the fd closes when the thread's locals go away."""
 
-    __slots__ = ("fd",)
+    __slots__ = ("buf", "fd")
 
     def __init__(self) -> None:
         self.fd = os.open(_SCHEDSTAT, os.O_RDONLY)
+        self.buf = ctypes.create_string_buffer(64)
 
     def __del__(self) -> None:
         try:
@@ -43,43 +46,49 @@ class _ThreadFd:
             pass
 
 
+def _gil_holding_pread() -> Any:
+    """libc's pread through ctypes.PyDLL, which keeps the GIL during the call. ``os.pread`` releases it
+    around the syscall, so every stage boundary would offer the GIL to any waiting thread: a handoff per
+    boundary under load (measured: ~6 us a stage in benchmarks/overhead.py, against ~2.5 us this way)."""
+    try:
+        fn = ctypes.PyDLL(None).pread
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long]
+    fn.restype = ctypes.c_ssize_t
+    return fn
+
+
 class CpuSignals:
-    """Per-stage CPU accounting. ``on_enter``/``on_exit`` run on the request thread; ``resolve`` in the
-    finalizer."""
+    """Per-stage CPU accounting: ``read()`` on the request thread at entry and exit (one syscall each, the
+    GIL held), ``resolve(rec)`` in the finalizer."""
 
     def __init__(self) -> None:
         self.schedstat = sys.platform.startswith("linux") and os.path.exists(_SCHEDSTAT)
         self._local = threading.local()
+        self._pread = _gil_holding_pread() if self.schedstat else None
+        if self._pread is None:
+            self.read = time.thread_time_ns  # type: ignore[method-assign]  # no run-queue split here
 
-    def _fd(self) -> int:
-        holder = getattr(self._local, "holder", None)
-        if holder is None:
+    def run_queue_ns(self) -> int:
+        """This thread's cumulative run-queue wait (schedstat's second field)."""
+        raw = self.read()
+        return int(raw.split()[1]) if raw else 0
+
+    def read(self) -> Any:
+        try:
+            holder = self._local.holder
+        except AttributeError:
             holder = self._local.holder = _ThreadFd()
-        return holder.fd
-
-    def on_enter(self, rec: Any) -> None:
-        try:
-            rec.cpu = _pread(self._fd(), 64, 0) if self.schedstat else time.thread_time_ns()
-        except OSError:
-            self.schedstat = False
-            rec.cpu = None
-
-    def on_exit(self, rec: Any) -> None:
-        start = rec.cpu
-        if start is None:
-            return
-        try:
-            rec.cpu = (start, _pread(self._fd(), 64, 0) if self.schedstat else time.thread_time_ns())
-        except OSError:
-            rec.cpu = None
+        n = self._pread(holder.fd, holder.buf, 64, 0)
+        return holder.buf.raw[:n] if n > 0 else None
 
     @staticmethod
     def resolve(rec: Any) -> None:
         """Turn the two raw readings into cpu_ms / runqueue_ms / blocked_ms on the record."""
-        pair = rec.cpu
-        if not isinstance(pair, tuple):
+        start, end = rec.cpu_start, rec.cpu_end
+        if start is None or end is None:
             return
-        start, end = pair
         wall_ms = rec.wall_ms
         if isinstance(start, bytes):
             s_cpu, s_rq, _ = start.split()
@@ -140,10 +149,18 @@ class GilPressureSampler:
 
     def _run(self) -> None:
         period = self.period_s
+        cpu = CpuSignals()
+        run_queue = cpu.run_queue_ns if cpu.schedstat and cpu._pread is not None else None
         while not self._stop.is_set():
+            rq0 = run_queue() if run_queue else 0
             t0 = _perf_ns()
             time.sleep(period)
-            self.series.add(max(0.0, (_perf_ns() - t0) / 1e6 - period * 1e3))
+            lag_ns = _perf_ns() - t0 - period * 1e9
+            if run_queue:
+                # The OS's part of the delay (waiting for a CPU after the timer fired) is this thread's
+                # run-queue time; what remains is the wait for the GIL.
+                lag_ns -= run_queue() - rq0
+            self.series.add(max(0.0, lag_ns / 1e6))
 
     def pressure_ms(self, start_ns: int, end_ns: int) -> float | None:
         """Mean wake-up lag over the trace, or over the last ``min_window_s`` before its end if the trace

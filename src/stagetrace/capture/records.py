@@ -39,6 +39,8 @@ class StageRecord(NonRecordingSpan):
     """
 
     __slots__ = (
+        "cpu_end",
+        "cpu_start",
         "end_ns",
         "kind",
         "name",
@@ -60,7 +62,6 @@ class StageRecord(NonRecordingSpan):
     error: tuple[str, str, str] | None = None
     attributes: dict[str, Any] | None = None
     gpu: Any = None  # GPU timing handle (CUDA events), resolved off-thread
-    cpu: Any = None  # CPU signal snapshot at entry, then the stage's deltas
     perf_to_epoch_ns = 0  # set for stages outside a tracked trace
     implicit_root: Any = None  # the root this stage opened because it ran outside any trace
     on_event_loop = False
@@ -101,6 +102,8 @@ class StageRecord(NonRecordingSpan):
         self.trace_flags = trace_flags
         self.trace_state = trace_state
         self.owner = owner  # the stage object that opened it, so `with` exits find their own record
+        self.cpu_start: Any = None  # raw CPU readings (schedstat bytes or thread CPU ns), parsed off-thread
+        self.cpu_end: Any = None
         self.start_ns = 0
         self.end_ns = 0
         self.token: Any = None

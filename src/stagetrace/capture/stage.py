@@ -182,7 +182,7 @@ def enter_stage(name: str, kind: str, owner: Any = None, sync: bool = True) -> S
                 rec.on_event_loop = True
             signals = rt.cpu_signals
             if signals is not None:
-                signals.on_enter(rec)
+                rec.cpu_start = signals.read()
         new = Context(ctx)  # one copy, where set_span_in_context + set_value would make two
         dict.__setitem__(new, _SPAN_KEY, rec)
         dict.__setitem__(new, _STAGE_KEY, rec)
@@ -205,8 +205,8 @@ def exit_stage(rec: StageRecord | None, exc: BaseException | None, end_ns: int |
             _cv_reset(rec.token)
         except ValueError:  # token made in another context (P10): the API's detach logs it
             detach(rec.token)
-        if rec.cpu is not None:
-            rt.cpu_signals.on_exit(rec)
+        if rec.cpu_start is not None:
+            rec.cpu_end = rt.cpu_signals.read()
         if exc is not None:
             rec.error = describe_exception(exc)
         trace = rec.trace

@@ -35,10 +35,14 @@ from stagetrace.finalize import materialize as mat
 from stagetrace.finalize.metrics import StagetraceMetrics, exemplar_context
 from stagetrace.settings import Settings
 
+MIN_CPU_ACCOUNTED_NS = 1_000_000
+
 
 def _resolve_cpu(stages: Sequence[StageRecord]) -> None:
+    """CPU attributes for stages of at least 1 ms: below that the on-CPU / run-queue split is scheduler
+    noise, no rule looks at it (they need 5 ms), and each attribute costs encoding on every span."""
     for rec in stages:
-        if rec.cpu is not None:
+        if rec.cpu_end is not None and rec.end_ns - rec.start_ns >= MIN_CPU_ACCOUNTED_NS:
             CpuSignals.resolve(rec)
 
 
