@@ -10,6 +10,10 @@ from stagetrace.analysis import DiagnosisThresholds
 DEFAULT_SLOW_THRESHOLD_MS = 200.0
 
 
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 @dataclass
 class Settings:
     slow_threshold_ms: float = DEFAULT_SLOW_THRESHOLD_MS
@@ -25,6 +29,7 @@ class Settings:
     gpu_wait_timeout_s: float = 30.0
     slow_log_per_minute: int = 60
     shutdown_timeout_s: float = 5.0
+    record_query_strings: bool = field(default_factory=lambda: env_flag("STAGETRACE_RECORD_QUERY_STRINGS"))
     cpu_signals: bool = True  # per-stage on-CPU / run-queue / blocked time (two schedstat reads per stage)
     gil_sampler_period_s: float = 0.005  # 0 turns the GIL-pressure sampler off
     loop_lag_interval_s: float = 0.025
@@ -44,10 +49,6 @@ class Settings:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         return self
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def slow_threshold_from_env(default: float = DEFAULT_SLOW_THRESHOLD_MS) -> float:

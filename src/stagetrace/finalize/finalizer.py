@@ -291,7 +291,7 @@ class Finalizer:
                         attributes=mat.stage_attributes(rec),
                     )
                 )
-        self._forward(mat.root_with_verdict(root, verdict))
+        self._forward(mat.root_with_verdict(root, verdict, self.settings.record_query_strings))
         self.metrics.record_trace(verdict, exemplar_context(root.context))
         if trace.dropped_stages:
             self.metrics.dropped("stages_per_trace", trace.dropped_stages)

@@ -177,12 +177,30 @@ class RebuiltSpan(ReadableSpan):
         return self._dropped_attributes
 
 
-def root_with_verdict(root: ReadableSpan, verdict: Verdict) -> ReadableSpan:
+# Attributes where HTTP instrumentations put the query string (old and new semantic conventions).
+_QUERY_BEARING = ("http.target", "http.url", "url.full")
+_QUERY_ONLY = ("url.query",)
+
+
+def strip_query_strings(attributes: dict[str, Any]) -> None:
+    """Query strings carry user data (ids, tokens, search terms); they are not kept unless the user opts
+    in (``Settings(record_query_strings=True)``)."""
+    for key in _QUERY_BEARING:
+        value = attributes.get(key)
+        if isinstance(value, str) and "?" in value:
+            attributes[key] = value.split("?", 1)[0]
+    for key in _QUERY_ONLY:
+        attributes.pop(key, None)
+
+
+def root_with_verdict(root: ReadableSpan, verdict: Verdict, keep_query_strings: bool = False) -> ReadableSpan:
     """The finished local root, rebuilt with the verdict attributes and diagnosis events.
 
     Rebuilding is the supported way: the SDK freezes a span's attributes before any processor sees it.
     """
     attributes: dict[str, Any] = dict(root.attributes or {})
+    if not keep_query_strings:
+        strip_query_strings(attributes)
     attributes.update(verdict_attributes(verdict))
     events: Sequence[Event] = tuple(root.events) + diagnosis_events(verdict, root.end_time or 0)
     rebuilt = RebuiltSpan(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextvars
 import functools
+import re
 import time
 from typing import Any
 
@@ -34,13 +35,25 @@ def _saturated(pool: Any) -> bool | None:
         return None
 
 
+_UNNAMED_POOL = re.compile(r"ThreadPoolExecutor-\d+")
+
+
+def _wait_stage_name(pool: Any) -> str:
+    """``<thread_name_prefix>.wait``; unnamed pools (prefix ``ThreadPoolExecutor-<n>``, unique per pool)
+    share ``executor.wait`` so stage names stay low-cardinality."""
+    prefix = getattr(pool, "_thread_name_prefix", "") or ""
+    if not prefix or _UNNAMED_POOL.fullmatch(prefix):
+        prefix = "executor"
+    return f"{prefix}.wait"
+
+
 def _make_submit(original: Any) -> Any:
     @functools.wraps(original)
     def submit(self: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
         ctx = contextvars.copy_context()
         if _state.runtime is None or not get_current_span().get_span_context().is_valid:
             return original(self, ctx.run, fn, *args, **kwargs)
-        name = f"{getattr(self, '_thread_name_prefix', '') or 'executor'}.wait"
+        name = _wait_stage_name(self)
         saturated = _saturated(self)
         submitted = time.perf_counter_ns()
 
