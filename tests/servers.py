@@ -34,27 +34,29 @@ _CLIENT = """
 import asyncio, json, sys
 import httpx
 
-async def main(base, path, n, concurrency):
+async def main(base, path, n, concurrency, keepalive):
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+    limits = httpx.Limits(max_keepalive_connections=concurrency if keepalive else 0)
+    async with httpx.AsyncClient(base_url=base, timeout=30, limits=limits) as client:
         async def one():
             async with sem:
                 return (await client.get(path)).status_code
         print(json.dumps(await asyncio.gather(*(one() for _ in range(n)))))
 
-asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"))
 """
 
 
-def hit(base: str, path: str, n: int, concurrency: int) -> list[int]:
+def hit(base: str, path: str, n: int, concurrency: int, keepalive: bool = True) -> list[int]:
     """``n`` GET requests, ``concurrency`` at a time, from another process (as real clients are: an
-    in-process client would compete for the server's GIL). Returns the status codes."""
+    in-process client would compete for the server's GIL). ``keepalive=False``: a new connection per
+    request (spreads requests over a multi-worker server). Returns the status codes."""
     import json
     import subprocess
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-c", _CLIENT, base, path, str(n), str(concurrency)],
+        [sys.executable, "-c", _CLIENT, base, path, str(n), str(concurrency), "1" if keepalive else "0"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -157,8 +157,10 @@ def configure(
     if not exporters:
         from_env = span_exporters_from_env()
         if from_env is None:
-            path = Path(traces_path) if traces_path else default_traces_path(resource.attributes.get(SERVICE_NAME))
-            exporters = [JsonLinesSpanExporter(path)]
+            service = resource.attributes.get(SERVICE_NAME)
+            path = Path(traces_path) if traces_path else default_traces_path(service)
+            factory = None if traces_path else (lambda: default_traces_path(service))
+            exporters = [JsonLinesSpanExporter(path, path_factory=factory)]
         else:
             exporters = from_env
     readers = _as_list(metric_reader)
@@ -188,6 +190,7 @@ def configure(
     if gpu is not False:
         _enable_gpu(runtime, required=gpu is True)
     handle = StagetraceHandle(runtime, tracer_provider, meter_provider, path)
+    _flush_at_process_exit(handle)
     _replace_handle(handle)
     _state.runtime = runtime
     if set_global:
@@ -264,6 +267,13 @@ def _set_globals(tracer_provider: TracerProvider, meter_provider: MeterProvider)
         logger.debug("stagetrace: a global TracerProvider is already set; stagetrace uses its own")
     if isinstance(metrics_api.get_meter_provider(), metrics_api._internal._ProxyMeterProvider):
         metrics_api.set_meter_provider(meter_provider)
+
+
+def _flush_at_process_exit(handle: StagetraceHandle) -> None:
+    """multiprocessing children end with os._exit, skipping atexit; its own exit hooks still run."""
+    import multiprocessing.util
+
+    multiprocessing.util.Finalize(handle, handle.shutdown, exitpriority=10)
 
 
 def current_handle() -> StagetraceHandle | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from opentelemetry.sdk.trace import ReadableSpan
@@ -27,15 +27,30 @@ def default_traces_path(service_name: str | None = None) -> Path:
 
 
 class JsonLinesSpanExporter(SpanExporter):
-    def __init__(self, path: str | os.PathLike[str], max_bytes: int = 256 * 2**20) -> None:
+    """``path_factory``: called again in a forked child (gunicorn --preload, multiprocessing), so each
+    process writes its own file instead of interleaving lines with its siblings."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        max_bytes: int = 256 * 2**20,
+        path_factory: Callable[[], Path] | None = None,
+    ) -> None:
         self.path = Path(path)
         self.max_bytes = max_bytes
+        self._path_factory = path_factory
+        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._closed = False
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if self._closed:
             return SpanExportResult.FAILURE
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._lock = threading.Lock()
+            if self._path_factory is not None:
+                self.path = self._path_factory()
         try:
             line = spans_to_otlp_json_line(spans).encode()
             with self._lock:

@@ -3,6 +3,7 @@ and the event-loop lag monitor started on each loop's first request."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from typing import Any
@@ -61,12 +62,31 @@ def leaked_context(ctx: Context) -> bool:
     return end is not None
 
 
+def _flushing_on_shutdown(receive: Any) -> Any:
+    """Flush when the server announces shutdown: worker processes (uvicorn --workers, gunicorn) may end
+    without running atexit handlers, which would lose every span still batched."""
+
+    async def wrapped() -> Any:
+        message = await receive()
+        if message.get("type") == "lifespan.shutdown":
+            from stagetrace.setup import current_handle
+
+            handle = current_handle()
+            if handle is not None:
+                await asyncio.to_thread(handle.force_flush, 10.0)
+        return message
+
+    return wrapped
+
+
 def _make_app_call(original: Any) -> Any:
     @functools.wraps(original)
     async def __call__(self: Any, scope: Any, receive: Any, send: Any) -> Any:
         rt = _state.runtime
         if rt is None:
             return await original(self, scope, receive, send)
+        if scope.get("type") == "lifespan":
+            return await original(self, scope, _flushing_on_shutdown(receive), send)
         rt.loop_monitor.ensure_running()
         if scope.get("type") in ("http", "websocket") and leaked_context(get_current()):
             token = attach(Context())

@@ -1,0 +1,87 @@
+"""Multi-process servers: every worker has a working finalizer, samplers and exporter, and no verdict is
+lost or duplicated (uvicorn --workers, gunicorn with UvicornWorker, with and without --preload)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from servers import hit
+from stagetrace import conventions as c
+
+HERE = Path(__file__).resolve().parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError("server did not start")
+
+
+def _roots(out_dir: Path) -> tuple[list[dict], set[str]]:
+    roots, files = [], set()
+    for path in out_dir.glob("traces-*.jsonl"):
+        for line in path.read_text().splitlines():
+            for rs in json.loads(line)["resourceSpans"]:
+                for ss in rs["scopeSpans"]:
+                    for span in ss["spans"]:
+                        if span["name"] == "GET /work":
+                            roots.append(span)
+                            files.add(path.name)
+    return roots, files
+
+
+COMMANDS = {
+    "uvicorn --workers 2": ["-m", "uvicorn", "fork_app:app", "--workers", "2", "--host", "127.0.0.1", "--port"],
+    "gunicorn -k UvicornWorker -w 2": ["-m", "gunicorn", "-k", "uvicorn.workers.UvicornWorker", "-w", "2", "-b"],
+    "gunicorn --preload": ["-m", "gunicorn", "--preload", "-k", "uvicorn.workers.UvicornWorker", "-w", "2", "-b"],
+}
+
+
+@pytest.mark.parametrize("server", list(COMMANDS))
+def test_every_worker_exports_its_own_verdicts_exactly_once(server, tmp_path):
+    port = _free_port()
+    args = COMMANDS[server] + ([str(port)] if "uvicorn --" in server else [f"127.0.0.1:{port}", "fork_app:app"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
+    env.update(STAGETRACE_OUTPUT_DIR=str(tmp_path), PYTHONPATH=str(HERE))
+    proc = subprocess.Popen(
+        [sys.executable, *args], cwd=HERE, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _wait_port(port, proc)
+        time.sleep(1.0)  # let both workers come up
+        n = 60
+        assert hit(f"http://127.0.0.1:{port}", "/work", n, 12, keepalive=False) == [200] * n
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    roots, files = _roots(tmp_path)
+    trace_ids = [r["traceId"] for r in roots]
+    assert len(roots) == n, f"{len(roots)} roots exported for {n} requests (files: {files})"
+    assert len(set(trace_ids)) == n  # none duplicated
+    assert all(any(a["key"] == c.BOTTLENECK_STAGE for a in r["attributes"]) for r in roots)  # every verdict
+    assert len(files) >= 2, f"expected one file per worker, got {files}"
