@@ -83,7 +83,7 @@ def make_harness() -> Iterator[Any]:
 
 @pytest.fixture
 def otlp_receiver() -> Iterator[Any]:
-    from otlp_receiver import OtlpReceiver
+    from stagetrace.testing import OtlpReceiver
 
     r = OtlpReceiver().start()
     yield r

@@ -43,10 +43,12 @@ class StagetraceHandle:
         meter_provider: MeterProvider | None = None,
         traces_path: Path | None = None,
         detach: Callable[[], None] | None = None,
+        exporters: Sequence[SpanExporter] = (),
     ) -> None:
         """``detach``: for a handle from ``attach()``, undoes the wrapping instead of shutting providers down."""
         self.runtime = runtime
         self._detach = detach
+        self._exporters = list(exporters)
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
         self.traces_path = traces_path
@@ -75,15 +77,40 @@ class StagetraceHandle:
             _state.runtime = None
         if timeout_s is not None:
             self.runtime.settings.shutdown_timeout_s = timeout_s
+        deadline_s = self.runtime.settings.shutdown_timeout_s
         if self._detach is not None:
-            self.runtime.finalizer.shutdown(self.runtime.settings.shutdown_timeout_s)
+            self.runtime.finalizer.shutdown(deadline_s)
             self._detach()
         else:
-            self.tracer_provider.shutdown()
-            self.meter_provider.shutdown(timeout_millis=int(self.runtime.settings.shutdown_timeout_s * 1000))
+            self._shutdown_providers(deadline_s)
         with _lock:
             if _current_handle is self:
                 _current_handle = None
+
+    def _shutdown_providers(self, deadline_s: float) -> None:
+        """Within the deadline, even when the collector is down and the exporter is retrying: past it the
+        exporters are told to stop (abandoning what is unsent) and shutdown returns."""
+
+        def run() -> None:
+            try:
+                self.tracer_provider.shutdown()
+                self.meter_provider.shutdown(timeout_millis=int(deadline_s * 1000))
+            except Exception:
+                logger.debug("stagetrace: provider shutdown failed", exc_info=True)
+
+        worker = threading.Thread(target=run, name="stagetrace-shutdown", daemon=True)
+        worker.start()
+        worker.join(deadline_s)
+        if worker.is_alive():
+            logger.warning(
+                "stagetrace: shutdown exceeded %.1f s (collector unreachable?); unsent spans dropped", deadline_s
+            )
+            for exporter in self._exporters:
+                try:
+                    exporter.shutdown()
+                except Exception:
+                    logger.debug("stagetrace: exporter shutdown failed", exc_info=True)
+            worker.join(1.0)
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -189,7 +216,7 @@ def configure(
     )
     if gpu is not False:
         _enable_gpu(runtime, required=gpu is True)
-    handle = StagetraceHandle(runtime, tracer_provider, meter_provider, path)
+    handle = StagetraceHandle(runtime, tracer_provider, meter_provider, path, exporters=exporters)
     _flush_at_process_exit(handle)
     _replace_handle(handle)
     _state.runtime = runtime

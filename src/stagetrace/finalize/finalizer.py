@@ -233,9 +233,18 @@ class Finalizer:
 
     def _forward(self, span: ReadableSpan) -> None:
         try:
+            if self._export_queue_full():
+                self.metrics.dropped("export_queue_full")  # the SDK drops it too, with a log line
             self.downstream.on_end(span)
         except Exception:
             report_internal_error("export processor")
+
+    def _export_queue_full(self) -> bool:
+        """Reads the BatchSpanProcessor's queue (its internals, so guarded): a collector that is down or
+        slow fills it, and the spans it then drops should show in stagetrace.dropped."""
+        batch = getattr(self.downstream, "_batch_processor", None)
+        queue, limit = getattr(batch, "_queue", None), getattr(batch, "_max_queue_size", None)
+        return queue is not None and limit is not None and len(queue) >= limit
 
     def _resolve_gpu(self, stages: list[StageRecord], perf_to_epoch_ns: int) -> None:
         gpu = self.gpu

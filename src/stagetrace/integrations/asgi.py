@@ -17,6 +17,7 @@ from stagetrace.capture.stage import add_stage
 from stagetrace.integrations._common import Patch
 
 THREADPOOL_WAIT_STAGE = "threadpool.wait"
+MIN_WAIT_NS = 500_000  # shorter waits are dispatch noise, not a queue (as for executor waits)
 
 
 def _make_run_in_threadpool(original: Any) -> Any:
@@ -29,7 +30,9 @@ def _make_run_in_threadpool(original: Any) -> Any:
 
         def timed(*a: Any, **k: Any) -> Any:
             # Runs on the worker, in the request's copied context: the wait ends when a thread picks it up.
-            add_stage(THREADPOOL_WAIT_STAGE, "wait", submitted, time.perf_counter_ns(), queue_saturated=saturated)
+            started = time.perf_counter_ns()
+            if started - submitted >= MIN_WAIT_NS:
+                add_stage(THREADPOOL_WAIT_STAGE, "wait", submitted, started, queue_saturated=saturated)
             return func(*a, **k)
 
         return await original(timed, *args, **kwargs)

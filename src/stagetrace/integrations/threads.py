@@ -21,8 +21,7 @@ from opentelemetry.trace import get_current_span
 from stagetrace import _state
 from stagetrace.capture.stage import add_stage
 from stagetrace.integrations._common import Patch
-
-MIN_WAIT_NS = 500_000  # shorter waits are dispatch noise, not worth a span
+from stagetrace.integrations.asgi import MIN_WAIT_NS
 
 
 def _saturated(pool: Any) -> bool | None:

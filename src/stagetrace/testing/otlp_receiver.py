@@ -1,4 +1,5 @@
-"""A real OTLP receiver on 127.0.0.1 for tests: gRPC and HTTP/protobuf, decoding with opentelemetry-proto."""
+"""A real OTLP receiver on 127.0.0.1 for tests and benchmarks: gRPC and HTTP/protobuf, decoded with
+opentelemetry-proto. ``export_delay_s`` makes it a slow collector."""
 
 from __future__ import annotations
 
@@ -69,10 +70,13 @@ class OtlpSink:
 
 
 class _TraceServicer(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self, sink: OtlpSink) -> None:
+    def __init__(self, sink: OtlpSink, delay_s: float) -> None:
         self.sink = sink
+        self.delay_s = delay_s
 
     def Export(self, request: Any, context: Any) -> Any:
+        if self.delay_s:
+            time.sleep(self.delay_s)
         self.sink.add_traces(request)
         return trace_service_pb2.ExportTraceServiceResponse()
 
@@ -89,12 +93,13 @@ class _MetricsServicer(metrics_service_pb2_grpc.MetricsServiceServicer):
 class OtlpReceiver:
     """Starts both protocols; ``grpc_endpoint`` and ``http_endpoint`` are base URLs on 127.0.0.1."""
 
-    def __init__(self) -> None:
+    def __init__(self, grpc_port: int = 0, export_delay_s: float = 0.0) -> None:
         self.sink = OtlpSink()
         self._grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceServicer(self.sink), self._grpc)
+        servicer = _TraceServicer(self.sink, export_delay_s)
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(servicer, self._grpc)
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsServicer(self.sink), self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port("127.0.0.1:0")
+        self.grpc_port = self._grpc.add_insecure_port(f"127.0.0.1:{grpc_port}")
         sink = self.sink
 
         class Handler(BaseHTTPRequestHandler):
