@@ -54,8 +54,9 @@ def run_pipelines(n: int, tag: str = "r") -> None:
 def test_collector_down_verdicts_still_flow_and_shutdown_meets_its_deadline(monkeypatch):
     grpc_to(monkeypatch, reserved_port(), timeout_s=30)  # the exporter alone would retry for 30 s
     verdicts = []
-    handle = stagetrace.configure("down", on_verdict=verdicts.append, set_global=False,
-                                  settings=Settings(shutdown_timeout_s=1.0))
+    handle = stagetrace.configure(
+        "down", on_verdict=verdicts.append, set_global=False, settings=Settings(shutdown_timeout_s=1.0)
+    )
     run_pipelines(50)
     handle.runtime.finalizer.flush(10)
     assert len(verdicts) == 50  # analysis does not depend on export
@@ -97,8 +98,13 @@ def test_a_slow_collector_fills_the_export_queue_and_the_drops_are_counted(monke
         monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "10")
         reader = InMemoryMetricReader()
         verdicts = []
-        handle = stagetrace.configure("slow", metric_reader=reader, on_verdict=verdicts.append, set_global=False,
-                                      settings=Settings(shutdown_timeout_s=1.0))
+        handle = stagetrace.configure(
+            "slow",
+            metric_reader=reader,
+            on_verdict=verdicts.append,
+            set_global=False,
+            settings=Settings(shutdown_timeout_s=1.0),
+        )
         run_pipelines(200)
         handle.runtime.finalizer.flush(10)
         assert len(verdicts) == 200  # nothing lost but spans the full export queue could not take
@@ -158,8 +164,13 @@ json_values = st.recursive(
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.one_of(st.text(max_size=200), json_values.map(json.dumps),
-                 st.dictionaries(st.just("resourceSpans"), json_values).map(json.dumps)))
+@given(
+    st.one_of(
+        st.text(max_size=200),
+        json_values.map(json.dumps),
+        st.dictionaries(st.just("resourceSpans"), json_values).map(json.dumps),
+    )
+)
 def test_the_otlp_reader_never_crashes_on_any_line(line):
     try:
         spans = spans_from_line(line)
@@ -171,9 +182,27 @@ def test_the_otlp_reader_never_crashes_on_any_line(line):
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.text(max_size=80), min_size=1, max_size=20))
 def test_malformed_lines_are_reported_with_file_and_line_and_the_rest_is_used(tmp_path_factory, lines):
-    good = json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{
-        "traceId": "0" * 31 + "1", "spanId": "0" * 15 + "1", "name": "root",
-        "startTimeUnixNano": "1", "endTimeUnixNano": "2"}]}]}]})
+    good = json.dumps(
+        {
+            "resourceSpans": [
+                {
+                    "scopeSpans": [
+                        {
+                            "spans": [
+                                {
+                                    "traceId": "0" * 31 + "1",
+                                    "spanId": "0" * 15 + "1",
+                                    "name": "root",
+                                    "startTimeUnixNano": "1",
+                                    "endTimeUnixNano": "2",
+                                }
+                            ]
+                        }
+                    ]
+                }
+            ]
+        }
+    )
     path = tmp_path_factory.mktemp("fuzz") / "t.jsonl"
     path.write_text("\n".join([*lines, good]) + "\n")
     err, traces = io.StringIO(), []
