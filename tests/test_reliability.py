@@ -74,13 +74,15 @@ def test_export_resumes_when_the_collector_comes_back(monkeypatch):
         run_pipelines(10, "while-down")
         handle.force_flush(5)  # fails: nothing listens
         receiver = OtlpReceiver(grpc_port=port).start()
-        run_pipelines(10, "after-return")
-        deadline = time.monotonic() + 20
+        # gRPC reconnects with a backoff, and the SDK drops a batch that failed rather than retrying it:
+        # keep the traffic going until new traces arrive.
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
+            run_pipelines(10, "after-return")
             handle.force_flush(5)
             if sum(1 for s in receiver.sink.spans if s.name == "after-return") >= 10:
                 break
-            time.sleep(0.2)
+            time.sleep(0.5)
         roots = [s for s in receiver.sink.spans if s.name == "after-return"]
         assert len(roots) >= 10
         assert all(c.BOTTLENECK_STAGE in r.attributes for r in roots)

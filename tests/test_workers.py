@@ -3,7 +3,6 @@ lost or duplicated (uvicorn --workers, gunicorn with UvicornWorker, with and wit
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -16,6 +15,7 @@ import pytest
 
 from servers import hit
 from stagetrace import conventions as c
+from stagetrace.report.loader import spans_from_line
 
 HERE = Path(__file__).resolve().parent
 
@@ -39,16 +39,14 @@ def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
     raise RuntimeError("server did not start")
 
 
-def _roots(out_dir: Path) -> tuple[list[dict], set[str]]:
+def _roots(out_dir: Path) -> tuple[list, set[str]]:
     roots, files = [], set()
     for path in out_dir.glob("traces-*.jsonl"):
         for line in path.read_text().splitlines():
-            for rs in json.loads(line)["resourceSpans"]:
-                for ss in rs["scopeSpans"]:
-                    for span in ss["spans"]:
-                        if span["name"] == "GET /work":
-                            roots.append(span)
-                            files.add(path.name)
+            for span in spans_from_line(line):
+                if span.name == "GET /work":
+                    roots.append(span)
+                    files.add(path.name)
     return roots, files
 
 
@@ -80,8 +78,8 @@ def test_every_worker_exports_its_own_verdicts_exactly_once(server, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
     roots, files = _roots(tmp_path)
-    trace_ids = [r["traceId"] for r in roots]
+    trace_ids = [r.trace_id for r in roots]
     assert len(roots) == n, f"{len(roots)} roots exported for {n} requests (files: {files})"
     assert len(set(trace_ids)) == n  # none duplicated
-    assert all(any(a["key"] == c.BOTTLENECK_STAGE for a in r["attributes"]) for r in roots)  # every verdict
+    assert all(c.BOTTLENECK_STAGE in r.attributes for r in roots)  # every verdict
     assert len(files) >= 2, f"expected one file per worker, got {files}"

@@ -239,6 +239,20 @@ class Finalizer:
         except Exception:
             report_internal_error("export processor")
 
+    def _forward_stage(
+        self, rec: StageRecord, offset: int, flags: Any, state: Any, resource: Any, extra: Any = None
+    ) -> None:
+        self._forward(
+            mat.stage_span(
+                rec,
+                offset,
+                trace_flags=flags,
+                trace_state=state,
+                resource=resource,
+                attributes=mat.stage_attributes(rec, extra),
+            )
+        )
+
     def _export_queue_full(self) -> bool:
         """Reads the BatchSpanProcessor's queue (its internals, so guarded): a collector that is down or
         slow fills it, and the spans it then drops should show in stagetrace.dropped."""
@@ -288,18 +302,8 @@ class Finalizer:
         )
         if verdict.sampled:
             flags, state = root.context.trace_flags, root.context.trace_state
-            resource = root.resource
             for rec in stages:
-                self._forward(
-                    mat.stage_span(
-                        rec,
-                        offset,
-                        trace_flags=flags,
-                        trace_state=state,
-                        resource=resource,
-                        attributes=mat.stage_attributes(rec),
-                    )
-                )
+                self._forward_stage(rec, offset, flags, state, root.resource)
         self._forward(mat.root_with_verdict(root, verdict, self.settings.record_query_strings))
         self.metrics.record_trace(verdict, exemplar_context(root.context))
         if trace.dropped_stages:
@@ -319,17 +323,7 @@ class Finalizer:
         source = trace if trace is not None else rec  # untracked trace: flags were taken at stage entry
         flags, state = source.trace_flags, source.trace_state
         if flags is not None and flags.sampled:
-            extra = {c.LATE: True} if trace is not None else None
-            self._forward(
-                mat.stage_span(
-                    rec,
-                    offset,
-                    trace_flags=flags,
-                    trace_state=state,
-                    resource=self.resource,
-                    attributes=mat.stage_attributes(rec, extra),
-                )
-            )
+            self._forward_stage(rec, offset, flags, state, self.resource, {c.LATE: True} if trace else None)
         self.metrics.record_stage(rec.name, rec.kind, ms, None)
 
     def _log_slow(self, v: Verdict) -> None:

@@ -23,7 +23,7 @@ import importlib.util
 from typing import Any
 
 from stagetrace.capture.gpu import GpuStage, d2h, h2d
-from stagetrace.capture.stage import enter_stage, exit_stage
+from stagetrace.capture.stage import Stage, enter_stage, exit_stage
 from stagetrace.integrations._common import Patch
 
 _inside: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("stagetrace_auto", default=frozenset())
@@ -58,18 +58,7 @@ def _stage_wrapper(name: str, kind: str = "cpu", when: Any = None) -> Any:
 
 def _async_stage_wrapper(name: str) -> Any:
     def make(original: Any) -> Any:
-        @functools.wraps(original)
-        async def wrapper(*args: Any, **kwargs: Any) -> Any:
-            rec = enter_stage(name, "cpu", None, False)
-            try:
-                result = await original(*args, **kwargs)
-            except BaseException as e:
-                exit_stage(rec, e)
-                raise
-            exit_stage(rec, None)
-            return result
-
-        return wrapper
+        return Stage(name, "cpu")(original)  # stage()'s own async wrapper
 
     return make
 

@@ -22,6 +22,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the string annotations here
 
+from stagetrace.report.loader import spans_from_line
+
 REQ_HEADER = "x-load-req"
 REQ_ATTR = "load.req"
 
@@ -142,15 +144,12 @@ def check_traces(out_dir: Path) -> dict[str, Any]:
     roots_with_verdict: set[str] = set()
     for path in out_dir.glob("traces-*.jsonl"):
         for line in path.read_text().splitlines():
-            for rs in json.loads(line)["resourceSpans"]:
-                for ss in rs["scopeSpans"]:
-                    for span in ss["spans"]:
-                        attrs = {a["key"]: a["value"] for a in span.get("attributes", [])}
-                        if "stagetrace.total_ms" in attrs:
-                            roots_with_verdict.add(span["traceId"])
-                        req = attrs.get(REQ_ATTR, {}).get("stringValue")
-                        if req is not None:
-                            traces[span["traceId"]].add(req)
+            for span in spans_from_line(line):
+                if "stagetrace.total_ms" in span.attributes:
+                    roots_with_verdict.add(span.trace_id)
+                req = span.attributes.get(REQ_ATTR)
+                if req is not None:
+                    traces[span.trace_id].add(req)
     mixed = sum(1 for reqs in traces.values() if len(reqs) > 1)
     per_req: dict[str, int] = defaultdict(int)
     for reqs in traces.values():
