@@ -139,3 +139,26 @@ def test_disabled_zero_code_is_a_no_op(tmp_path):
         },
     )
     assert not out_dir.exists()
+
+
+def test_attach_to_a_users_provider_flushes_and_detaches_cleanly():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    import stagetrace
+    from stagetrace import conventions as c
+    from stagetrace.setup import attach
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(shutdown_on_exit=False)
+    users_processor = SimpleSpanProcessor(exporter)
+    provider.add_span_processor(users_processor)
+    handle = attach(provider)  # no meter provider of its own: the API's proxy
+    with provider.get_tracer("app").start_as_current_span("request"), stagetrace.stage("work"):
+        pass
+    assert handle.force_flush(5)
+    root = next(s for s in exporter.get_finished_spans() if s.name == "request")
+    assert c.BOTTLENECK_STAGE in root.attributes
+    handle.shutdown()
+    assert provider._active_span_processor._span_processors == (users_processor,)  # restored

@@ -63,7 +63,8 @@ class StagetraceHandle:
         if self.runtime is None or self._shut:
             return True
         ok = self.tracer_provider.force_flush(int(timeout_s * 1000))
-        return bool(self.meter_provider.force_flush(int(timeout_s * 1000))) and ok
+        flush_metrics = getattr(self.meter_provider, "force_flush", None)  # absent on the API's proxy provider
+        return bool(flush_metrics(int(timeout_s * 1000)) if flush_metrics else True) and ok
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         global _current_handle
