@@ -31,8 +31,8 @@ class Settings:
     shutdown_timeout_s: float = 5.0
     record_query_strings: bool = field(default_factory=lambda: env_flag("STAGETRACE_RECORD_QUERY_STRINGS"))
     cpu_signals: bool = True  # per-stage on-CPU / run-queue / blocked time (two schedstat reads per stage)
-    gil_sampler_period_s: float = 0.005  # 0 turns the GIL-pressure sampler off
-    loop_lag_interval_s: float = 0.025
+    gil_sampler_period_s: float = 0.010  # 0 turns the GIL-pressure sampler off
+    loop_lag_interval_s: float = 0.050
 
     def threshold_for(self, route: str | None) -> float:
         if route and route in self.route_slow_thresholds_ms:

@@ -31,6 +31,7 @@ class DiagnosisThresholds:
     blocked_min_ms: float = 5.0  # and at least this much: a few ms lost to other threads is normal
     gil_pressure_ms: float = 2.0  # sampler wake-up lag (p50 over the request) meaning "GIL is contended"
     runqueue_share: float = 0.30
+    runqueue_min_ms: float = 5.0  # a few ms waiting for a CPU on a busy host is not actionable
     event_loop_stage_ms: float = 20.0
     event_loop_lag_ms: float = 50.0
     queueing_ms: float = 10.0
@@ -172,7 +173,7 @@ def cpu_oversubscribed(a: TraceAnalysis, stages: Sequence[StageSample], sig: Tra
     hits = [
         s
         for s in _cpu_stages(stages, th)
-        if s.runqueue_ms is not None and s.runqueue_ms >= th.runqueue_share * s.wall_ms
+        if s.runqueue_ms is not None and s.runqueue_ms >= max(th.runqueue_min_ms, th.runqueue_share * s.wall_ms)
     ]
     if not hits:
         return None

@@ -132,7 +132,7 @@ class GilPressureSampler:
 
     min_window_s = 0.5
 
-    def __init__(self, period_s: float = 0.005, max_samples: int = 8192) -> None:
+    def __init__(self, period_s: float = 0.010, max_samples: int = 8192) -> None:
         self.period_s = period_s
         self.series = _LagSeries(max_samples)
         self._stop = threading.Event()
@@ -178,7 +178,7 @@ class GilPressureSampler:
 class LoopLagMonitor:
     """One monitor task per event loop, started by the web integrations on the loop's first request."""
 
-    def __init__(self, interval_s: float = 0.025, max_samples: int = 8192) -> None:
+    def __init__(self, interval_s: float = 0.050, max_samples: int = 8192) -> None:
         self.interval_s = interval_s
         self.series = _LagSeries(max_samples)
         self._loops: set[int] = set()
