@@ -91,6 +91,7 @@ def test_without_an_sdk_stagetrace_configures_itself(tmp_path):
             "OTEL_PYTHON_CONFIGURATOR": "none-installed",
             "OTEL_SERVICE_NAME": "zero-code-bare",
             "STAGETRACE_OUTPUT_DIR": str(out_dir),
+            "STAGETRACE_AUTO_STAGES": "true",
         },
     )
     (path,) = out_dir.glob("traces-*.jsonl")
@@ -105,6 +106,7 @@ def test_without_an_sdk_stagetrace_configures_itself(tmp_path):
     assert len(roots) == 3
     attrs = {a["key"]: a["value"] for a in roots[0]["attributes"]}
     assert attrs[c.BOTTLENECK_STAGE] == {"stringValue": "decode"}
+    assert sum(1 for s in spans if s["name"] == "serialize") == 3  # STAGETRACE_AUTO_STAGES: no decorator needed
 
 
 def test_uninstrument_restores_everything():
