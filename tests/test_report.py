@@ -147,6 +147,7 @@ def test_report_uses_the_verdicts_stagetrace_exported(tmp_path, monkeypatch):
     assert run_report([str(tmp_path)], as_json=True, out=out, err=io.StringIO()) == 0
     doc = json.loads(out.getvalue())
     assert doc["traces"] == 20
+    assert doc["stages"]["infer"]["kind"] == "io"  # kinds come back from the stage spans
     assert doc["slow_traces"] >= 10
     assert set(doc["stages"]) == {"decode", "infer"}
     assert sum(doc["bottlenecks"].values()) == 20

@@ -13,6 +13,27 @@ from stagetrace.report.render import html_report, text_report
 from stagetrace.report.traces import verdict_for_trace, waterfall
 
 
+def aggregate_files(
+    paths: list[str], slow_threshold_ms: float = 200.0, err: TextIO | None = None, route: str | None = None
+) -> tuple[Aggregator, dict[str, int]]:
+    """Stream trace files into an Aggregator (waterfalls kept for the slowest); ``route`` keeps only traces
+    whose global root has that http.route."""
+    err = err or sys.stderr
+    agg = Aggregator()
+
+    def on_trace(spans: list[Span]) -> None:
+        try:
+            verdict = verdict_for_trace(spans, slow_threshold_ms)
+        except Exception as e:  # one odd trace must not stop the report
+            print(f"stagetrace report: trace {spans[0].trace_id}: skipped ({type(e).__name__}: {e})", file=err)
+            return
+        if route is not None and verdict.route != route:
+            return
+        agg.add(verdict, waterfall(spans) if agg.would_keep(verdict.total_ms) else None)
+
+    return agg, read_traces(paths, on_trace, errors=err)
+
+
 def run_report(
     paths: list[str],
     *,
@@ -30,17 +51,7 @@ def run_report(
     if not expand_paths(paths):
         print("stagetrace report: no trace files found (expected OTLP JSON lines, *.jsonl)", file=err)
         return 2
-    agg = Aggregator()
-
-    def on_trace(spans: list[Span]) -> None:
-        try:
-            verdict = verdict_for_trace(spans, slow_threshold_ms)
-        except Exception as e:  # one odd trace must not stop the report
-            print(f"stagetrace report: trace {spans[0].trace_id}: skipped ({type(e).__name__}: {e})", file=err)
-            return
-        agg.add(verdict, waterfall(spans) if agg.would_keep(verdict.total_ms) else None)
-
-    counts = read_traces(paths, on_trace, errors=err)
+    agg, counts = aggregate_files(paths, slow_threshold_ms, err)
     summary: dict[str, Any] = agg.summary()
     summary["input"] = counts
     if as_json:

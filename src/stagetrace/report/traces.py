@@ -37,7 +37,7 @@ def _float(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def _stored_verdict(root: Span, trace_id: str) -> Verdict:
+def _stored_verdict(root: Span, trace_id: str, spans: list[Span]) -> Verdict:
     a = root.attributes
     names = list(a.get(c.STAGES) or ())
     values = list(a.get(c.STAGES_MS) or ())
@@ -71,6 +71,11 @@ def _stored_verdict(root: Span, trace_id: str) -> Verdict:
         gpu_utilization=_float(a.get(c.GPU_UTILIZATION)),
         gil_pressure_ms=_float(a.get(c.GIL_PRESSURE_MS)),
         loop_lag_ms=_float(a.get(c.LOOP_LAG_MS)),
+        stage_kinds={
+            str(s.attributes[c.STAGE]): str(s.attributes.get(c.STAGE_KIND, "cpu"))
+            for s in spans
+            if c.STAGE in s.attributes and s.trace_id == trace_id
+        },
     )
 
 
@@ -102,7 +107,7 @@ def verdict_for_trace(
     trace_id = root.trace_id
     with_verdict = [s for s in spans if c.TOTAL_MS in s.attributes]
     if len(with_verdict) == 1 and with_verdict[0] is root:
-        return _stored_verdict(root, trace_id)
+        return _stored_verdict(root, trace_id, spans)
     by_id = {s.span_id: s for s in spans}
     samples = []
     for s in spans:
