@@ -285,3 +285,36 @@ def test_profiler_works_without_configure():
     p.start()
     p.record_stage("a")
     assert p.analyze_and_report()["bottleneck_stage"] == "a"
+
+
+def test_cpu_accounting_is_skipped_for_stage_names_that_run_short(harness):
+    rt = harness.handle.runtime
+    for _ in range(3):
+        with stagetrace.pipeline("p"):
+            with stagetrace.stage("tiny") as tiny:
+                pass
+            with stagetrace.stage("long") as long_:
+                end = time.perf_counter() + 0.003
+                while time.perf_counter() < end:
+                    pass
+    assert isinstance(tiny.cpu_start, int)  # a short name: only the cheap thread CPU clock
+    assert isinstance(long_.cpu_start, bytes) and long_.cpu_end is not None  # schedstat for long names
+    assert rt.recent_stage_ms["tiny"] < 0.5 <= rt.recent_stage_ms["long"]
+    spans = [s for s in harness.spans() if s.name == "long"]
+    assert all(c.CPU_MS in s.attributes and c.RUNQUEUE_MS in s.attributes for s in spans)
+
+
+def test_a_usually_short_stage_that_runs_long_still_gets_cpu_and_blocked_time(harness):
+    import threading
+
+    lock = threading.Lock()
+    for _ in range(5):
+        with stagetrace.pipeline("warm"), stagetrace.stage("lookup"), lock:
+            pass  # fast while the lock is free: the name counts as short
+    lock.acquire()
+    threading.Timer(0.02, lock.release).start()
+    with stagetrace.pipeline("contended"), stagetrace.stage("lookup"), lock:
+        pass  # this time it waits 20 ms on the lock
+    span = next(s for s in harness.spans() if s.name == "lookup" and s.end_time - s.start_time > 10e6)
+    assert span.attributes[c.BLOCKED_MS] > 10
+    assert span.attributes[c.CPU_MS] < 5

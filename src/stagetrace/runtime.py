@@ -62,6 +62,7 @@ class Runtime:
         self.lookup_trace = self.registry.lookup_function()
         self.gpu: Any = None  # GpuSupport, when attached
         self.cpu_signals = CpuSignals() if settings.cpu_signals else None
+        self.recent_stage_ms: dict[str, float] = {}  # per stage name, for adaptive CPU accounting
         self.gil_sampler = GilPressureSampler(settings.gil_sampler_period_s) if settings.gil_sampler_period_s else None
         self.loop_monitor = LoopLagMonitor(settings.loop_lag_interval_s)
         if self.gil_sampler is not None:

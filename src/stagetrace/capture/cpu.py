@@ -90,13 +90,15 @@ class CpuSignals:
         if start is None or end is None:
             return
         wall_ms = rec.wall_ms
+        if isinstance(start, int) != isinstance(end, int):
+            return  # readings of two kinds (the name's history changed in between): no comparable pair
         if isinstance(start, bytes):
             s_cpu, s_rq, _ = start.split()
             e_cpu, e_rq, _ = end.split()
             cpu_ms = (int(e_cpu) - int(s_cpu)) / 1e6
             rq_ms = (int(e_rq) - int(s_rq)) / 1e6
             rec.runqueue_ms = round(max(0.0, rq_ms), 3)
-        else:
+        else:  # thread CPU clock only: run-queue time cannot be told apart and stays inside blocked_ms
             cpu_ms, rq_ms = (end - start) / 1e6, 0.0
         rec.cpu_ms = round(max(0.0, cpu_ms), 3)
         rec.blocked_ms = round(max(0.0, wall_ms - cpu_ms - rq_ms), 3)
