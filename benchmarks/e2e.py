@@ -32,6 +32,8 @@ import sys
 import time
 import zlib
 
+from stagetrace.testing.load import wait_for_port
+
 STAGES = (
     ("decode", 2.0),
     ("resize", 1.5),
@@ -162,16 +164,8 @@ def start_server(variant: str, per_ms: float) -> tuple[subprocess.Popen[bytes], 
         STAGETRACE_OUTPUT_DIR="/tmp/stagetrace-e2e",
     )
     proc = subprocess.Popen([sys.executable, __file__, "serve", variant, str(port)], env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc, base
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"{variant} server did not start")
+    wait_for_port(port, proc, timeout_s=30)
+    return proc, f"http://127.0.0.1:{port}"
 
 
 VARIANTS = ("uninstrumented", "contrib-only", "handwritten", "stagetrace", "stagetrace-nocpu")

@@ -318,3 +318,22 @@ def test_a_usually_short_stage_that_runs_long_still_gets_cpu_and_blocked_time(ha
     span = next(s for s in harness.spans() if s.name == "lookup" and s.end_time - s.start_time > 10e6)
     assert span.attributes[c.BLOCKED_MS] > 10
     assert span.attributes[c.CPU_MS] < 5
+
+
+def test_latency_histograms_carry_exemplars_pointing_at_the_trace(harness):
+    with stagetrace.pipeline("p"), stagetrace.stage("decode"):
+        time.sleep(0.002)
+    assert harness.handle.runtime.finalizer.flush(10)
+    # Exemplars come with the first collection after the measurement (as a periodic exporter sends them):
+    # collect exactly once, without the provider flush that would collect first.
+    points = {
+        m.name: m.data.data_points
+        for rm in harness.reader.get_metrics_data().resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+    }
+    root = harness.by_name("p")[0]
+    (trace_point,) = points[c.METRIC_TRACE_DURATION]
+    assert {e.trace_id for e in trace_point.exemplars} == {root.context.trace_id}
+    (stage_point,) = points[c.METRIC_STAGE_DURATION]  # the bottleneck stage
+    assert {e.trace_id for e in stage_point.exemplars} == {root.context.trace_id}

@@ -30,6 +30,13 @@ def gpu_world(make_harness):
     return make
 
 
+def wait_for_sampler(support, timeout_s: float = 5) -> None:
+    """NVML starts on the finalizer thread after the first GPU stage."""
+    deadline = time.monotonic() + timeout_s
+    while not support.samplers and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def classic_pipeline(gpu: FakeGpu):
     x = stagetrace.h2d(FakeTensor(gpu, 4 << 20, pinned=True), "cuda:0")
     with stagetrace.gpu_stage("infer"):
@@ -153,9 +160,7 @@ def test_nvml_utilisation_per_stage_and_per_trace(gpu_world):
     with stagetrace.pipeline("warm"):
         classic_pipeline(gpu)
     h.wait_verdicts(1)
-    deadline = time.monotonic() + 5
-    while not support.samplers and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for_sampler(support)
     with stagetrace.pipeline("request"):
         with stagetrace.stage("decode"):
             time.sleep(0.12)  # CPU-side work dominates while the GPU idles at 10%
@@ -207,9 +212,7 @@ def test_samples_api_not_supported_falls_back_to_rates(gpu_world):
     with stagetrace.pipeline("warm"):
         classic_pipeline(gpu)
     h.wait_verdicts(1)
-    deadline = time.monotonic() + 5
-    while not support.samplers and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for_sampler(support)
     time.sleep(0.1)
     assert "nvmlDeviceGetUtilizationRates" in nvml.calls
     sampler = support.samplers[0]

@@ -4,7 +4,6 @@ lost or duplicated (uvicorn --workers, gunicorn with UvicornWorker, with and wit
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 from servers import hit
 from stagetrace import conventions as c
 from stagetrace.report.loader import spans_from_line
+from stagetrace.testing.load import terminate, wait_for_port
 
 HERE = Path(__file__).resolve().parent
 
@@ -24,19 +24,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited early: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError("server did not start")
 
 
 def _roots(out_dir: Path) -> tuple[list, set[str]]:
@@ -67,16 +54,12 @@ def test_every_worker_exports_its_own_verdicts_exactly_once(server, tmp_path):
         [sys.executable, *args], cwd=HERE, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
     try:
-        _wait_port(port, proc)
+        wait_for_port(port, proc)
         time.sleep(1.0)  # let both workers come up
         n = 60
         assert hit(f"http://127.0.0.1:{port}", "/work", n, 12, keepalive=False) == [200] * n
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        terminate(proc, timeout_s=30)
     roots, files = _roots(tmp_path)
     trace_ids = [r.trace_id for r in roots]
     assert len(roots) == n, f"{len(roots)} roots exported for {n} requests (files: {files})"

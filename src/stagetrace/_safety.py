@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -53,23 +52,6 @@ internal_errors = RateLimitedLog()
 
 def report_internal_error(where: str) -> None:
     internal_errors.log(logging.ERROR, where, "stagetrace internal error in %s (contained)", where, exc_info=True)
-
-
-def guarded(where: str, default: Any = None) -> Callable[[F], F]:
-    """Decorator for SDK hooks and background work: log (rate-limited) and return ``default`` on error."""
-
-    def deco(fn: F) -> F:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return fn(*args, **kwargs)
-            except Exception:
-                report_internal_error(where)
-                return default
-
-        return wrapper  # type: ignore[return-value]
-
-    return deco
 
 
 _warned: set[str] = set()

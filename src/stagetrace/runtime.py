@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,8 +17,6 @@ from stagetrace.finalize.finalizer import Finalizer
 from stagetrace.finalize.metrics import StagetraceMetrics
 from stagetrace.finalize.processor import StagetraceSpanProcessor
 from stagetrace.settings import Settings
-
-_getrandbits = random.getrandbits  # reseeded after fork by the random module itself
 
 
 class Runtime:
@@ -75,10 +72,3 @@ class Runtime:
             self.gil_sampler.stop()
         if self.gpu is not None:
             self.gpu.shutdown()
-
-    @staticmethod
-    def new_span_id() -> int:
-        span_id = _getrandbits(64)
-        while not span_id:
-            span_id = _getrandbits(64)
-        return span_id

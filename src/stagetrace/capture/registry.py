@@ -29,9 +29,6 @@ class TraceRegistry:
     def __len__(self) -> int:
         return len(self._traces)
 
-    def get(self, trace_id: int) -> TraceRecord | None:
-        return self._traces.get(trace_id)
-
     def lookup_function(self) -> Callable[[int], TraceRecord | None]:
         """The bound ``dict.get`` for the hot path; stays valid because the dict is never replaced."""
         return self._traces.get

@@ -22,7 +22,7 @@ from opentelemetry.trace import Status, StatusCode, set_span_in_context
 from opentelemetry.trace.propagation import _SPAN_KEY
 
 from stagetrace import _state
-from stagetrace._safety import logger, report_internal_error, warn_once
+from stagetrace._safety import report_internal_error, warn_once
 from stagetrace.capture.records import StageRecord
 from stagetrace.conventions import STAGE_KINDS
 
@@ -411,4 +411,4 @@ def current_stage() -> StageRecord | None:
     return get_current().get(_STAGE_KEY)
 
 
-__all__ = ["Pipeline", "Stage", "current_stage", "logger", "pipeline", "stage"]
+__all__ = ["Pipeline", "Stage", "current_stage", "pipeline", "stage"]

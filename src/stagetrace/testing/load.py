@@ -138,6 +138,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    """Until something accepts on 127.0.0.1:port; an error with the server's stderr if it died first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            detail = proc.stderr.read()[-2000:] if proc.stderr else ""
+            raise RuntimeError(f"server on port {port} did not start: {detail}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.1)
+
+
+def terminate(proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """SIGTERM (a graceful server shutdown, which flushes stagetrace), then kill past the timeout."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def check_traces(out_dir: Path) -> dict[str, Any]:
     """Per request id: how many traces, and whether any trace holds stages of several requests."""
     traces: dict[str, set[str]] = defaultdict(set)
@@ -176,17 +199,7 @@ def run(duration_s: float, concurrency: int, out_dir: Path, max_requests: int = 
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"load server did not start: {server.stderr.read()[-2000:] if server.stderr else ''}"
-                )
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-            except OSError:
-                time.sleep(0.1)
+        wait_for_port(port, server)
         client = subprocess.Popen(
             [
                 sys.executable,
@@ -213,11 +226,7 @@ def run(duration_s: float, concurrency: int, out_dir: Path, max_requests: int = 
             raise RuntimeError(f"load client failed: {err[-2000:]}")
         sent = json.loads(out)
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        terminate(server)
     stats = json.loads((out_dir / "stats.json").read_text()) if (out_dir / "stats.json").exists() else {}
     return {"sent": sent, "rss_mb": rss, "stats": stats, **check_traces(out_dir), "elapsed_s": time.monotonic() - t0}
 
