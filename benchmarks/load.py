@@ -39,9 +39,12 @@ def main(argv: list[str] | None = None) -> int:
             f"  server RSS MB: start {rss[0]:.0f}, at 1/3 {third:.0f}, end {rss[-1]:.0f}, max {max(rss):.0f}, "
             f"median {statistics.median(rss):.0f}"
         )
+    sent = r["sent"]
+    print(f"  client errors by kind         {sent.get('reasons') or 'none'}")
     ok = (
-        r["sent"]["errors"] == 0
-        and r["requests_traced"] == r["sent"]["ok"] == r["roots_with_verdict"]
+        not any(k.startswith("HTTP") for k in sent.get("reasons", {}))  # the app never answered with an error
+        and sent["errors"] <= sent["ok"] // 100  # rare transport errors between client and server
+        and sent["ok"] <= r["requests_traced"] == r["roots_with_verdict"] == r["stats"].get("verdicts")
         and r["mixed_traces"] == 0
         and not r["stats"].get("dropped")
     )

@@ -87,6 +87,7 @@ def serve_main(port: int, out_dir: str) -> None:
         access_log=False,
         backlog=4096,
         limit_concurrency=None,
+        timeout_keep_alive=60,  # no keep-alive close racing a reused connection
     )
 
 
@@ -96,6 +97,7 @@ async def _client(url: str, duration_s: float, concurrency: int, max_requests: i
     deadline = time.monotonic() + duration_s
     counter = iter(range(max_requests))
     ok = errors = 0
+    reasons: dict[str, int] = {}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
 
@@ -109,13 +111,15 @@ async def _client(url: str, duration_s: float, concurrency: int, max_requests: i
                     r = await client.get("/work", headers={REQ_HEADER: str(req)})
                     if r.status_code == 200 and r.json()["req"] == str(req):
                         ok += 1
-                    else:
-                        errors += 1
-                except httpx.HTTPError:
-                    errors += 1
+                        continue
+                    reason = f"HTTP {r.status_code}"
+                except httpx.HTTPError as e:
+                    reason = type(e).__name__
+                errors += 1
+                reasons[reason] = reasons.get(reason, 0) + 1
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return {"ok": ok, "errors": errors}
+    return {"ok": ok, "errors": errors, "reasons": reasons}
 
 
 def client_main(url: str, duration_s: float, concurrency: int, max_requests: int) -> None:
