@@ -1,55 +1,84 @@
-"""Wires the parts for one configured process: registry, finalizer, processor, metrics, tracer."""
+"""Wires the application-side parts for one configured process: the registry of traces in flight, the span
+processor, the helper thread and its transport to the exporter, the samplers, and the consumers that live
+in the application (exporter objects, metric readers, ``on_verdict``)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 
 from stagetrace._version import __version__
 from stagetrace.analysis import Verdict
-from stagetrace.capture.cpu import CpuSignals, CpuSignalSources, GilPressureSampler, LoopLagMonitor
+from stagetrace.capture.cpu import CpuSignals, GilPressureSampler, LoopLagMonitor
 from stagetrace.capture.registry import TraceRegistry
 from stagetrace.conventions import INSTRUMENTATION_NAME
-from stagetrace.finalize.finalizer import Finalizer
-from stagetrace.finalize.metrics import StagetraceMetrics
-from stagetrace.finalize.processor import StagetraceSpanProcessor
+from stagetrace.exporter.core import ExporterCore
+from stagetrace.exporter.metrics import MetricsRecorder, MetricsSink, StagetraceMetrics
+from stagetrace.exporter.outputs import LocalOutputs, NoMetrics, SpanForwarder
+from stagetrace.exporter.signals import GIL_SERIES, LOOP_SERIES
+from stagetrace.handoff.processor import StagetraceSpanProcessor
+from stagetrace.handoff.shipper import Shipper, Transport
+from stagetrace.handoff.transport import InlineTransport, ProcessTransport
 from stagetrace.settings import Settings
+
+ExporterConfig = Callable[[], dict[str, Any]]
 
 
 class Runtime:
+    """``local``: the span processor for exporters that live in the application (None: all export happens
+    in the exporter). ``exporter_config``: what the exporter process builds (its own exporters and metric
+    readers, what to send back); unused with ``Settings(export_process=False)``, where the exporter's work
+    runs on the helper thread against the application's own processors and readers."""
+
     def __init__(
         self,
         *,
         tracer_provider: TracerProvider,
-        meter_provider: MeterProvider,
-        downstream: SpanProcessor,
+        meter_provider: Any,
+        local: SpanProcessor | None,
+        local_metrics: bool,
         settings: Settings,
         on_verdict: Sequence[Callable[[Verdict], Any]] = (),
+        exporter_config: ExporterConfig | None = None,
         install: bool = True,
     ) -> None:
         """``install=False``: the caller puts ``self.processor`` in front of the provider's processors."""
         self.settings = settings
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
-        self.metrics = StagetraceMetrics(
-            meter_provider.get_meter(INSTRUMENTATION_NAME, __version__), settings.max_stage_names
-        )
+        self.metrics = MetricsRecorder()  # metric events raised in the application, shipped to the exporter
         self.registry = TraceRegistry(settings.max_traces_in_flight, settings.trace_ttl_s, self.metrics.dropped)
-        self.finalizer = Finalizer(
-            downstream=downstream,
-            metrics=self.metrics,
+        app_metrics: MetricsSink = NoMetrics()
+        if local_metrics:
+            meter = meter_provider.get_meter(INSTRUMENTATION_NAME, __version__)
+            app_metrics = StagetraceMetrics(meter, settings.max_stage_names)
+        flush_metrics = getattr(meter_provider, "force_flush", None)  # absent on the API's proxy provider
+        self.local = LocalOutputs(
+            spans=SpanForwarder(local, tracer_provider.resource, app_metrics.dropped) if local is not None else None,
+            metrics=app_metrics,
+            callbacks=on_verdict,
+            flush_metrics=(lambda t: bool(flush_metrics(int(t * 1000)))) if flush_metrics and local_metrics else None,
+        )
+        self.exporter_config = exporter_config
+        self.gil_sampler = GilPressureSampler(settings.gil_sampler_period_s) if settings.gil_sampler_period_s else None
+        self.loop_monitor = LoopLagMonitor(settings.loop_lag_interval_s)
+        sources: dict[str, Any] = {LOOP_SERIES: self.loop_monitor.series}
+        if self.gil_sampler is not None:
+            sources[GIL_SERIES] = self.gil_sampler.series
+        self.shipper = Shipper(
             settings=settings,
-            resource=tracer_provider.resource,
+            transport_factory=self._transport,
+            app_metrics=self.metrics,
             registry=self.registry,
-            on_verdict=on_verdict,
+            signal_sources=sources,
         )
         self.processor = StagetraceSpanProcessor(
             registry=self.registry,
-            finalizer=self.finalizer,
-            downstream=downstream,
+            shipper=self.shipper,
+            local=local,
             shutdown_timeout_s=settings.shutdown_timeout_s,
         )
         if install:
@@ -60,12 +89,26 @@ class Runtime:
         self.gpu: Any = None  # GpuSupport, when attached
         self.cpu_signals = CpuSignals() if settings.cpu_signals else None
         self.recent_stage_ms: dict[str, float] = {}  # per stage name, for adaptive CPU accounting
-        self.gil_sampler = GilPressureSampler(settings.gil_sampler_period_s) if settings.gil_sampler_period_s else None
-        self.loop_monitor = LoopLagMonitor(settings.loop_lag_interval_s)
         if self.gil_sampler is not None:
             self.gil_sampler.ensure_running()  # warm before the first request; restarted after a fork
-            self.finalizer.on_thread_start.append(self.gil_sampler.ensure_running)
-        self.finalizer.signal_sources["cpu"] = CpuSignalSources(self.gil_sampler, self.loop_monitor)
+            self.shipper.on_thread_start.append(self.gil_sampler.ensure_running)
+        self.shipper.start()  # the exporter starts now, not on the first request
+
+    @property
+    def exporter_pid(self) -> int | None:
+        proc = getattr(self.shipper.transport, "proc", None)
+        return proc.pid if proc is not None and self.shipper._pid == os.getpid() else None
+
+    def _transport(self, shipper: Shipper) -> Transport:
+        if self.settings.export_process and self.exporter_config is not None:
+            return ProcessTransport(
+                shipper,
+                settings=self.settings,
+                config=self.exporter_config,
+                local=self.local,
+                app_metrics=self.metrics,
+            )
+        return InlineTransport(shipper, ExporterCore(self.settings, self.local))
 
     def shutdown_samplers(self) -> None:
         if self.gil_sampler is not None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from stagetrace.analysis import DiagnosisThresholds
 
@@ -12,6 +14,31 @@ DEFAULT_SLOW_THRESHOLD_MS = 200.0
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def export_process_from_env() -> bool:
+    """``STAGETRACE_EXPORT_PROCESS``: ``on`` (default) runs the exporter in its own process; ``off`` on a
+    thread of the application, for environments that forbid subprocesses."""
+    raw = os.environ.get("STAGETRACE_EXPORT_PROCESS", "").strip().lower()
+    if raw in ("", "1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"STAGETRACE_EXPORT_PROCESS must be on or off, got {raw!r}")
+
+
+def healthy_sample_from_env(default: float = 0.1) -> float:
+    """``STAGETRACE_HEALTHY_SAMPLE``: the share of healthy traces exported in full (0..1)."""
+    raw = os.environ.get("STAGETRACE_HEALTHY_SAMPLE")
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"STAGETRACE_HEALTHY_SAMPLE must be a number between 0 and 1, got {raw!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"STAGETRACE_HEALTHY_SAMPLE must be between 0 and 1, got {raw!r}")
+    return value
 
 
 @dataclass
@@ -33,6 +60,23 @@ class Settings:
     cpu_signals: bool = True  # per-stage on-CPU / run-queue / blocked time (two schedstat reads per stage)
     gil_sampler_period_s: float = 0.010  # 0 turns the GIL-pressure sampler off
     loop_lag_interval_s: float = 0.050
+    # Where the work after capture runs: an exporter process (True) or a thread of the application.
+    export_process: bool = field(default_factory=export_process_from_env)
+    # Share of healthy traces (not slow, not diagnosed, no error) exported in full; metrics see them all.
+    healthy_sample: float = field(default_factory=healthy_sample_from_env)
+    channel_buffer_bytes: int = 8 * 2**20  # application-side bytes waiting for the pipe, at most
+    exporter_restarts_per_minute: int = 5
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the exporter process (``from_dict`` rebuilds it there)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Settings:
+        fields = dict(data)
+        fields["thresholds"] = DiagnosisThresholds(**fields.get("thresholds", {}))
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in fields.items() if k in known})
 
     def threshold_for(self, route: str | None) -> float:
         if route and route in self.route_slow_thresholds_ms:
@@ -45,6 +89,8 @@ class Settings:
         for route, ms in self.route_slow_thresholds_ms.items():
             if not isinstance(route, str) or not ms > 0:
                 raise ValueError(f"route_slow_thresholds_ms needs str routes and values > 0, got {route!r}: {ms!r}")
+        if not 0.0 <= self.healthy_sample <= 1.0:
+            raise ValueError(f"healthy_sample must be between 0 and 1, got {self.healthy_sample!r}")
         for name in ("max_traces_in_flight", "max_stages_per_trace", "max_stage_names", "queue_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

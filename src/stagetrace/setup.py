@@ -15,7 +15,7 @@ from opentelemetry import metrics as metrics_api
 from opentelemetry import trace as trace_api
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
-from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.resources import PROCESS_PID, SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import SpanProcessor, SynchronousMultiSpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import Sampler, _get_from_env_or_default
@@ -23,9 +23,16 @@ from opentelemetry.sdk.trace.sampling import Sampler, _get_from_env_or_default
 from stagetrace import _state
 from stagetrace._safety import logger
 from stagetrace.analysis import DiagnosisThresholds, Verdict
-from stagetrace.export.env import metric_readers_from_env, span_exporters_from_env
+from stagetrace.export.env import (
+    metric_export_from_env,
+    metric_readers_from_env,
+    span_export_from_env,
+    span_exporters_from_env,
+)
 from stagetrace.export.files import JsonLinesSpanExporter, default_traces_path
-from stagetrace.finalize.sampler import LocalRootRecordingSampler
+from stagetrace.export.shutdown import shutdown_within
+from stagetrace.handoff.sampler import LocalRootRecordingSampler
+from stagetrace.handoff.wire import plain
 from stagetrace.runtime import Runtime
 from stagetrace.settings import Settings, env_flag, slow_threshold_from_env
 
@@ -40,7 +47,7 @@ class StagetraceHandle:
         self,
         runtime: Runtime | None,
         tracer_provider: TracerProvider | None = None,
-        meter_provider: MeterProvider | None = None,
+        meter_provider: Any = None,
         traces_path: Path | None = None,
         detach: Callable[[], None] | None = None,
         exporters: Sequence[SpanExporter] = (),
@@ -58,13 +65,17 @@ class StagetraceHandle:
     def enabled(self) -> bool:
         return self.runtime is not None
 
+    @property
+    def exporter_pid(self) -> int | None:
+        """The exporter process of this process, when one runs."""
+        return self.runtime.exporter_pid if self.runtime is not None else None
+
     def force_flush(self, timeout_s: float = 30.0) -> bool:
-        """Finish every trace that has ended and push spans and metrics out. Never call it per request."""
+        """Finish every trace that has ended: analysed, exported, and its verdict delivered. Never call it
+        per request."""
         if self.runtime is None or self._shut:
             return True
-        ok = self.tracer_provider.force_flush(int(timeout_s * 1000))
-        flush_metrics = getattr(self.meter_provider, "force_flush", None)  # absent on the API's proxy provider
-        return bool(flush_metrics(int(timeout_s * 1000)) if flush_metrics else True) and ok
+        return self.runtime.shipper.flush(timeout_s)
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         global _current_handle
@@ -80,38 +91,18 @@ class StagetraceHandle:
             self.runtime.settings.shutdown_timeout_s = timeout_s
         deadline_s = self.runtime.settings.shutdown_timeout_s
         if self._detach is not None:
-            self.runtime.finalizer.shutdown(deadline_s)
+            self.runtime.shipper.shutdown(deadline_s)
             self._detach()
         else:
-            self._shutdown_providers(deadline_s)
+            provider, meters = self.tracer_provider, self.meter_provider
+            shutdown_within(
+                deadline_s,
+                [provider.shutdown, lambda: meters.shutdown(timeout_millis=int(deadline_s * 1000))],
+                [e.shutdown for e in self._exporters],
+            )
         with _lock:
             if _current_handle is self:
                 _current_handle = None
-
-    def _shutdown_providers(self, deadline_s: float) -> None:
-        """Within the deadline, even when the collector is down and the exporter is retrying: past it the
-        exporters are told to stop (abandoning what is unsent) and shutdown returns."""
-
-        def run() -> None:
-            try:
-                self.tracer_provider.shutdown()
-                self.meter_provider.shutdown(timeout_millis=int(deadline_s * 1000))
-            except Exception:
-                logger.debug("stagetrace: provider shutdown failed", exc_info=True)
-
-        worker = threading.Thread(target=run, name="stagetrace-shutdown", daemon=True)
-        worker.start()
-        worker.join(deadline_s)
-        if worker.is_alive():
-            logger.warning(
-                "stagetrace: shutdown exceeded %.1f s (collector unreachable?); unsent spans dropped", deadline_s
-            )
-            for exporter in self._exporters:
-                try:
-                    exporter.shutdown()
-                except Exception:
-                    logger.debug("stagetrace: exporter shutdown failed", exc_info=True)
-            worker.join(1.0)
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -123,7 +114,8 @@ def _as_list(value: Any) -> list[Any]:
 
 
 def _resource(service_name: str | None, extra: Mapping[str, Any] | None) -> Resource:
-    attrs: dict[str, Any] = dict(extra or {})
+    # The application's pid: spans and metrics describe it, whichever process exports them.
+    attrs: dict[str, Any] = {PROCESS_PID: os.getpid(), **(extra or {})}
     # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES win over arguments (OpenTelemetry's rule).
     if service_name and not os.environ.get("OTEL_SERVICE_NAME"):
         env_attrs = os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")
@@ -180,44 +172,56 @@ def configure(
             raise TypeError(f"on_verdict must be callable, got {type(cb).__name__}")
 
     resource = _resource(service_name, resource_attributes)
-    exporters = _as_list(span_exporter)
-    path: Path | None = None
-    if not exporters:
-        from_env = span_exporters_from_env()
-        if from_env is None:
-            service = resource.attributes.get(SERVICE_NAME)
-            path = Path(traces_path) if traces_path else default_traces_path(service)
+    user_exporters = _as_list(span_exporter)
+    user_readers = _as_list(metric_reader)
+    service = resource.attributes.get(SERVICE_NAME)
+    file_default = not user_exporters and not span_export_from_env()
+    path = (Path(traces_path) if traces_path else default_traces_path(service)) if file_default else None
+    if settings.export_process:
+        # The exporter process builds what OTEL_* configures (or the embedded file); objects the user
+        # passed stay here and receive what concerns them.
+        app_exporters: list[SpanExporter] = user_exporters
+        app_readers: list[MetricReader] = user_readers
+    else:
+        app_exporters = user_exporters or span_exporters_from_env() or []
+        if file_default:
             factory = None if traces_path else (lambda: default_traces_path(service))
-            exporters = [JsonLinesSpanExporter(path, path_factory=factory)]
-        else:
-            exporters = from_env
-    readers = _as_list(metric_reader)
-    if not readers:
-        readers = metric_readers_from_env() or []
+            app_exporters = [JsonLinesSpanExporter(path, path_factory=factory)]
+        app_readers = user_readers or metric_readers_from_env() or []
+    spans_mode = "none" if user_exporters else ("file" if file_default else "env")
+    metrics_mode = "none" if user_readers else ("env" if metric_export_from_env() else "none")
 
     tracer_provider = TracerProvider(
         resource=resource,
         sampler=LocalRootRecordingSampler(sampler or _get_from_env_or_default()),
         shutdown_on_exit=False,
     )
-    exporting: list[SpanProcessor] = [BatchSpanProcessor(e) for e in exporters]
-    if len(exporting) == 1:
-        downstream: SpanProcessor = exporting[0]
-    else:
-        downstream = SynchronousMultiSpanProcessor()
-        for p in exporting:
-            downstream.add_span_processor(p)
-    meter_provider = MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False)
+    meter_provider = MeterProvider(metric_readers=app_readers, resource=resource, shutdown_on_exit=False)
+
+    def exporter_config() -> dict[str, Any]:
+        return _exporter_config(
+            tracer_provider,
+            settings,
+            spans=spans_mode,
+            metrics=metrics_mode,
+            traces_path=(Path(traces_path) if traces_path else default_traces_path(service)),
+            return_spans=bool(app_exporters),
+            return_metrics=bool(app_readers),
+            return_verdicts=bool(callbacks),
+        )
+
     runtime = Runtime(
         tracer_provider=tracer_provider,
         meter_provider=meter_provider,
-        downstream=downstream,
+        local=_batching(app_exporters),
+        local_metrics=bool(app_readers),
         settings=settings,
         on_verdict=callbacks,
+        exporter_config=exporter_config,
     )
     if gpu is not False:
         _enable_gpu(runtime, required=gpu is True)
-    handle = StagetraceHandle(runtime, tracer_provider, meter_provider, path, exporters=exporters)
+    handle = StagetraceHandle(runtime, tracer_provider, meter_provider, path, exporters=app_exporters)
     _flush_at_process_exit(handle)
     _replace_handle(handle)
     _state.runtime = runtime
@@ -226,6 +230,41 @@ def configure(
     if path is not None:
         logger.info("stagetrace: no exporter configured; writing OTLP JSON lines to %s", path)
     return handle
+
+
+def _batching(exporters: Sequence[SpanExporter]) -> SpanProcessor | None:
+    processors: list[SpanProcessor] = [BatchSpanProcessor(e) for e in exporters]
+    if len(processors) <= 1:
+        return processors[0] if processors else None
+    multi = SynchronousMultiSpanProcessor()
+    for p in processors:
+        multi.add_span_processor(p)
+    return multi
+
+
+def _exporter_config(
+    tracer_provider: TracerProvider,
+    settings: Settings,
+    *,
+    spans: str,
+    metrics: str,
+    traces_path: Path,
+    return_spans: bool,
+    return_metrics: bool,
+    return_verdicts: bool,
+) -> dict[str, Any]:
+    """What a new exporter process needs, computed in the process it serves: a forked worker's exporter
+    describes that worker (the provider refreshes ``process.pid`` after a fork) and writes its own file."""
+    return {
+        "settings": plain(settings.to_dict()),
+        "resource": plain(dict(tracer_provider.resource.attributes)),
+        "spans": spans,
+        "metrics": metrics,
+        "traces_path": str(traces_path),
+        "return_spans": return_spans,
+        "return_metrics": return_metrics,
+        "return_verdicts": return_verdicts,
+    }
 
 
 def attach(
@@ -244,18 +283,36 @@ def attach(
         raise TypeError("stagetrace.attach() needs an SDK TracerProvider with the standard processor chain")
     settings = settings or Settings(slow_threshold_ms=slow_threshold_from_env())
     settings.validate()
+    callbacks = _as_list(on_verdict)
     downstream = SynchronousMultiSpanProcessor()
-    runtime = Runtime(
-        tracer_provider=tracer_provider,
-        meter_provider=meter_provider or metrics_api.get_meter_provider(),
-        downstream=downstream,
-        settings=settings,
-        on_verdict=_as_list(on_verdict),
-        install=False,
-    )
+    meters = meter_provider or metrics_api.get_meter_provider()
+
+    def exporter_config() -> dict[str, Any]:
+        return _exporter_config(
+            tracer_provider,
+            settings,
+            spans="none",
+            metrics="none",
+            traces_path=default_traces_path(None),
+            return_spans=True,
+            return_metrics=True,
+            return_verdicts=bool(callbacks),
+        )
+
     with multi._lock:
         original = multi._span_processors
         downstream._span_processors = original
+    runtime = Runtime(
+        tracer_provider=tracer_provider,
+        meter_provider=meters,
+        local=downstream,
+        local_metrics=True,
+        settings=settings,
+        on_verdict=callbacks,
+        exporter_config=exporter_config,
+        install=False,
+    )
+    with multi._lock:
         multi._span_processors = (runtime.processor,)
 
     def detach() -> None:

@@ -1,27 +1,28 @@
 """CPU-side signals: per-stage on-CPU / run-queue / blocked time, GIL pressure and event-loop lag.
 
 Per stage (sync stages only: an async stage shares its thread with other tasks), the hot path takes two raw
-reads of ``/proc/thread-self/schedstat`` (on-CPU ns, run-queue wait ns) and nothing else; the finalizer
-parses them. ``blocked = wall - on-CPU - run-queue``: time the thread was off-CPU and not waiting for a
-CPU, i.e. waiting for the GIL, a lock, I/O or a sleep. Elsewhere than Linux, thread CPU time only.
+reads of ``/proc/thread-self/schedstat`` (on-CPU ns, run-queue wait ns) and nothing else; the exporter
+parses them (``exporter.signals.resolve_cpu``). ``blocked = wall - on-CPU - run-queue``: time the thread
+was off-CPU and not waiting for a CPU, i.e. waiting for the GIL, a lock, I/O or a sleep. Elsewhere than
+Linux, thread CPU time only.
 
 GIL pressure: a sampler thread sleeps ``period`` and records how late it woke up, minus its own run-queue
 time over the sleep (the OS's share of the delay on a busy or oversubscribed host), leaving the wait for
 the GIL. A CPU-bound Python thread holding the GIL makes it wait up to the switch interval (5 ms); with
 the GIL free the remainder is ~0.1 ms. Event-loop lag: a task on each instrumented loop does the same
-with ``asyncio.sleep``.
+with ``asyncio.sleep``. Both only append (time, lag) pairs to a bounded buffer; the helper thread ships
+them and the exporter joins them to each trace's window.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import ctypes
 import os
-import statistics
 import sys
 import threading
 import time
+from collections import deque
 from typing import Any
 
 from stagetrace._safety import report_internal_error
@@ -61,7 +62,7 @@ def _gil_holding_pread() -> Any:
 
 class CpuSignals:
     """Per-stage CPU accounting: ``read()`` on the request thread at entry and exit (one syscall each, the
-    GIL held), ``resolve(rec)`` in the finalizer."""
+    GIL held); the exporter parses them."""
 
     def __init__(self) -> None:
         self.schedstat = sys.platform.startswith("linux") and os.path.exists(_SCHEDSTAT)
@@ -83,60 +84,31 @@ class CpuSignals:
         n = self._pread(holder.fd, holder.buf, 64, 0)
         return holder.buf.raw[:n] if n > 0 else None
 
-    @staticmethod
-    def resolve(rec: Any) -> None:
-        """Turn the two raw readings into cpu_ms / runqueue_ms / blocked_ms on the record."""
-        start, end = rec.cpu_start, rec.cpu_end
-        if start is None or end is None:
-            return
-        wall_ms = rec.wall_ms
-        if isinstance(start, int) != isinstance(end, int):
-            return  # readings of two kinds (the name's history changed in between): no comparable pair
-        if isinstance(start, bytes):
-            s_cpu, s_rq, _ = start.split()
-            e_cpu, e_rq, _ = end.split()
-            cpu_ms = (int(e_cpu) - int(s_cpu)) / 1e6
-            rq_ms = (int(e_rq) - int(s_rq)) / 1e6
-            rec.runqueue_ms = round(max(0.0, rq_ms), 3)
-        else:  # thread CPU clock only: run-queue time cannot be told apart and stays inside blocked_ms
-            cpu_ms, rq_ms = (end - start) / 1e6, 0.0
-        rec.cpu_ms = round(max(0.0, cpu_ms), 3)
-        rec.blocked_ms = round(max(0.0, wall_ms - cpu_ms - rq_ms), 3)
 
+class SampleBuffer:
+    """(epoch ns, value) pairs waiting to be shipped; bounded, the oldest dropped first when nobody drains."""
 
-class _LagSeries:
-    """(epoch ns, lag ms) samples in two parallel lists, bounded by trimming the oldest half when full, so
-    a window query is a bisect plus a slice rather than a copy of the whole history."""
+    def __init__(self, max_samples: int = 8192) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=max_samples)
 
-    def __init__(self, max_samples: int) -> None:
-        self._max = max_samples
-        self._times: list[int] = []
-        self._lags: list[float] = []
-        self._lock = threading.Lock()
+    def add(self, value: float) -> None:
+        self._samples.append((time.time_ns(), value))
 
-    def add(self, lag_ms: float) -> None:
-        with self._lock:
-            self._times.append(time.time_ns())
-            self._lags.append(lag_ms)
-            if len(self._times) > self._max:
-                half = len(self._times) // 2
-                del self._times[:half], self._lags[:half]
-
-    def window(self, start_ns: int, end_ns: int, slack_ns: int) -> list[float]:
-        with self._lock:
-            lo = bisect.bisect_left(self._times, start_ns - slack_ns)
-            hi = bisect.bisect_right(self._times, end_ns + slack_ns)
-            return self._lags[lo:hi]
+    def drain(self) -> list[tuple[int, float]]:
+        out, pop = [], self._samples.popleft
+        try:
+            while True:
+                out.append(pop())
+        except IndexError:
+            return out
 
 
 class GilPressureSampler:
     """Always-on, one thread: about ``1/period`` wake-ups per second, each a few microseconds."""
 
-    min_window_s = 0.5
-
     def __init__(self, period_s: float = 0.010, max_samples: int = 8192) -> None:
         self.period_s = period_s
-        self.series = _LagSeries(max_samples)
+        self.series = SampleBuffer(max_samples)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = 0
@@ -164,15 +136,6 @@ class GilPressureSampler:
                 lag_ns -= run_queue() - rq0
             self.series.add(max(0.0, lag_ns / 1e6))
 
-    def pressure_ms(self, start_ns: int, end_ns: int) -> float | None:
-        """Mean wake-up lag over the trace, or over the last ``min_window_s`` before its end if the trace
-        is shorter. A woken sampler either gets the GIL at once or waits out a whole switch interval, so
-        single wake-ups say little; GIL pressure is a process-level condition that changes slowly, and a
-        mean over ~100 wake-ups is steady."""
-        start_ns = min(start_ns, end_ns - int(self.min_window_s * 1e9))
-        lags = self.series.window(start_ns, end_ns, int(self.period_s * 2e9))
-        return round(statistics.fmean(lags), 3) if lags else None
-
     def stop(self) -> None:
         self._stop.set()
 
@@ -182,7 +145,7 @@ class LoopLagMonitor:
 
     def __init__(self, interval_s: float = 0.050, max_samples: int = 8192) -> None:
         self.interval_s = interval_s
-        self.series = _LagSeries(max_samples)
+        self.series = SampleBuffer(max_samples)
         self._loops: set[int] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -212,28 +175,3 @@ class LoopLagMonitor:
             raise
         except Exception:
             report_internal_error("event-loop lag monitor")
-
-    def max_lag_ms(self, start_ns: int, end_ns: int) -> float | None:
-        lags = self.series.window(start_ns, end_ns, int(self.interval_s * 2e9))
-        return round(max(lags), 3) if lags else None
-
-
-class CpuSignalSources:
-    """The trace-level signals for the finalizer: GIL pressure and event-loop lag over the trace window."""
-
-    def __init__(self, gil: GilPressureSampler | None, loop: LoopLagMonitor | None) -> None:
-        self.gil = gil
-        self.loop = loop
-
-    def __call__(self, trace: Any, root: Any) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        start, end = root.start_time or 0, root.end_time or 0
-        if self.gil is not None:
-            value = self.gil.pressure_ms(start, end)
-            if value is not None:
-                out["gil_pressure_ms"] = value
-        if self.loop is not None:
-            value = self.loop.max_lag_ms(start, end)
-            if value is not None:
-                out["loop_lag_ms"] = value
-        return out

@@ -1,6 +1,6 @@
 """``gpu_stage``, ``h2d`` and ``d2h``: GPU stages timed with CUDA events recorded on the current stream.
 
-The request thread only records events (no query, no synchronize); the finalizer reads them once they have
+The request thread only records events (no query, no synchronize); the helper thread reads them once they have
 completed. Without CUDA (or before the application initialised it) the same calls time wall clock and still
 note copy sizes and whether the source was pinned.
 """

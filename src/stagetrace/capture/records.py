@@ -1,4 +1,4 @@
-"""Mutable records filled on the request thread and read by the finalizer.
+"""Mutable records filled on the request thread and packed by the helper thread.
 
 Plain ``__slots__`` classes, not dataclasses: they are created once per stage on the hot path and must be
 cheap to build.
@@ -34,7 +34,7 @@ class StageRecord(NonRecordingSpan):
 
     Being the span itself saves building a SpanContext and a wrapper per stage: the SpanContext is made
     only if something (a foreign instrumentation opening a child span) asks for it. Times are
-    ``perf_counter_ns``; the finalizer converts them to epoch time. Attributes set on it through the span
+    ``perf_counter_ns``; the exporter converts them to epoch time. Attributes set on it through the span
     API (``trace.get_current_span().set_attribute``) land on the stage span.
     """
 
@@ -61,17 +61,14 @@ class StageRecord(NonRecordingSpan):
     # gives instances a __dict__, which holds them once set.)
     error: tuple[str, str, str] | None = None
     attributes: dict[str, Any] | None = None
-    gpu: Any = None  # GPU timing handle (CUDA events), resolved off-thread
+    gpu: Any = None  # GPU timing handle (CUDA events), resolved on the helper thread
     perf_to_epoch_ns = 0  # set for stages outside a tracked trace
     implicit_root: Any = None  # the root this stage opened because it ran outside any trace
     on_event_loop = False
     _span_context: SpanContext | None = None
-    # What the analysis reads besides times and ids (the StageSample field names), filled in by the CPU
-    # signals at exit and by the GPU timer in the finalizer.
+    # Shipped fields (handoff.wire.STAGE_FIELDS) beyond times and ids, filled in by the integrations and
+    # by the GPU timer on the helper thread.
     gpu_ms: float | None = None
-    cpu_ms: float | None = None
-    blocked_ms: float | None = None
-    runqueue_ms: float | None = None
     h2d_bytes: int | None = None
     h2d_pinned: bool | None = None
     gpu_utilization: float | None = None
@@ -142,13 +139,15 @@ class StageRecord(NonRecordingSpan):
 class TraceRecord:
     """The local part of one trace, keyed by trace id in the registry while its local root is open."""
 
+    max_others = 512  # spans of other instrumentations held with the trace; past it they go on their own
+
     __slots__ = (
         "closed",
         "created_monotonic",
         "dropped_stages",
         "lock",
+        "others",
         "perf_to_epoch_ns",
-        "request_signals",
         "root_span_id",
         "shadowed",
         "stages",
@@ -173,8 +172,8 @@ class TraceRecord:
         self.perf_to_epoch_ns = root_start_epoch_ns - time.perf_counter_ns()
         self.created_monotonic = time.monotonic()
         self.stages: list[StageRecord] = []
+        self.others: list[Any] = []  # other instrumentations' spans of this trace (SDK ReadableSpans)
         self.dropped_stages = 0
         self.closed = False
         self.lock = threading.Lock()
         self.shadowed: TraceRecord | None = None  # an outer local root of the same trace id in this process
-        self.request_signals: dict[str, Any] | None = None  # queue wait, loop lag ... set by integrations

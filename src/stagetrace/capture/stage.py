@@ -2,7 +2,7 @@
 
 A stage entry allocates a span id, makes a non-recording span with that id the current span (so spans
 that other instrumentations open inside the stage become its children) and takes timestamps. Nothing else:
-the span itself is built later, off-thread, by the finalizer (DESIGN principle 1).
+the span itself is built later, in the exporter.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def exit_stage(rec: StageRecord | None, exc: BaseException | None, end_ns: int |
                         trace.dropped_stages += 1
                     trace = None
         if trace is not None or rec.trace is None:
-            rt.finalizer.submit_lone_stage(rec)  # after the root ended (background work), or untracked
+            rt.shipper.submit_lone_stage(rec)  # after the root ended (background work), or untracked
         if rec.implicit_root is not None:
             _close_root(rec.implicit_root, exc)
     except Exception:

@@ -4,6 +4,7 @@ stagetrace can fall back to its embedded default instead of retrying a collector
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter
@@ -31,8 +32,35 @@ def _protocol(signal: str) -> str:
     return raw
 
 
-def span_exporters_from_env() -> list[SpanExporter] | None:
-    names = _names("OTEL_TRACES_EXPORTER", _TRACE_ENDPOINT_VARS)
+_SPAN_EXPORTERS = ("otlp", "console", "file", "stagetrace_file", "none")
+_METRIC_EXPORTERS = ("otlp", "console", "none")
+
+
+def _checked_names(var: str, endpoint_vars: tuple[str, ...], known: tuple[str, ...], signal: str) -> list[str] | None:
+    names = _names(var, endpoint_vars)
+    for name in names or ():
+        if name not in known:
+            raise ValueError(
+                f"{var}: unknown exporter {name!r} (use {', '.join(k for k in known if k != 'stagetrace_file')})"
+            )
+        if name == "otlp":
+            _protocol(signal)
+    return names
+
+
+def span_export_from_env() -> bool:
+    """Do the ``OTEL_*`` variables configure trace export? Checks them (a clear error for a bad value, in
+    the application, at ``configure()``) without building an exporter."""
+    return _checked_names("OTEL_TRACES_EXPORTER", _TRACE_ENDPOINT_VARS, _SPAN_EXPORTERS, "TRACES") is not None
+
+
+def metric_export_from_env() -> bool:
+    return _checked_names("OTEL_METRICS_EXPORTER", _METRIC_ENDPOINT_VARS, _METRIC_EXPORTERS, "METRICS") is not None
+
+
+def span_exporters_from_env(file_path: Path | None = None) -> list[SpanExporter] | None:
+    """``file_path``: where the ``file`` exporter writes (default: ``default_traces_path`` for this process)."""
+    names = _checked_names("OTEL_TRACES_EXPORTER", _TRACE_ENDPOINT_VARS, _SPAN_EXPORTERS, "TRACES")
     if names is None:
         return None
     exporters: list[SpanExporter] = []
@@ -50,14 +78,13 @@ def span_exporters_from_env() -> list[SpanExporter] | None:
         elif name in ("file", "stagetrace_file"):
             from stagetrace.export.files import JsonLinesSpanExporter, default_traces_path
 
-            exporters.append(JsonLinesSpanExporter(default_traces_path(os.environ.get("OTEL_SERVICE_NAME"))))
-        else:
-            raise ValueError(f"OTEL_TRACES_EXPORTER: unknown exporter {name!r} (use otlp, console, file or none)")
+            path = file_path or default_traces_path(os.environ.get("OTEL_SERVICE_NAME"))
+            exporters.append(JsonLinesSpanExporter(path))
     return exporters
 
 
 def metric_readers_from_env() -> list[MetricReader] | None:
-    names = _names("OTEL_METRICS_EXPORTER", _METRIC_ENDPOINT_VARS)
+    names = _checked_names("OTEL_METRICS_EXPORTER", _METRIC_ENDPOINT_VARS, _METRIC_EXPORTERS, "METRICS")
     if names is None:
         return None
     readers: list[MetricReader] = []
@@ -74,6 +101,4 @@ def metric_readers_from_env() -> list[MetricReader] | None:
             from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
 
             readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter()))
-        else:
-            raise ValueError(f"OTEL_METRICS_EXPORTER: unknown exporter {name!r} (use otlp, console or none)")
     return readers

@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Any
 
+from stagetrace import conventions as c
 from stagetrace._safety import report_internal_error, warn_once
 from stagetrace.gpu.backend import TorchCudaBackend
 from stagetrace.gpu.events import CaptureGuard, CudaEventTimer, EventPool, GpuTiming
@@ -73,12 +74,12 @@ class GpuSupport:
             if device in self.timer.devices_seen:
                 return
             self.timer.devices_seen.add(device)
-            self._pending_devices.add(device)  # NVML starts on the finalizer thread, not here
+            self._pending_devices.add(device)  # NVML starts on the helper thread, not here
             if not self._guard_installed:
                 self._guard_installed = True
                 self.guard.install(self.backend.graph_class())
 
-    # --- finalizer thread -----------------------------------------------------------------------------
+    # --- helper thread -----------------------------------------------------------------------------
     def tick(self) -> None:
         if self._pending_devices:
             with self._lock:
@@ -130,6 +131,24 @@ class GpuSupport:
                 out["gpu_memory_used"] = sampler.memory_used_bytes
         return out
 
+    def apply(self, rec: Any, perf_to_epoch_ns: int) -> None:
+        """Resolve the stage's CUDA events and NVML window into numbers on the record. With a clock anchor
+        the stage moves to where its GPU work really ran, and its host-side duration is kept."""
+        gpu = self.resolve(rec, perf_to_epoch_ns)
+        if not gpu:
+            return
+        if "gpu_start_ns" in gpu:
+            rec.set_attribute(c.HOST_DURATION_MS, round(rec.wall_ms, 3))
+            rec.start_ns, rec.end_ns = gpu["gpu_start_ns"], gpu["gpu_end_ns"]
+        if "gpu_ms" in gpu:
+            rec.gpu_ms = gpu["gpu_ms"]
+        if "gpu_utilization" in gpu:
+            rec.gpu_utilization = gpu["gpu_utilization"]
+            rec.set_attribute(c.GPU_UTILIZATION_MIN, gpu["gpu_utilization_min"])
+            rec.set_attribute(c.GPU_UTILIZATION_MAX, gpu["gpu_utilization_max"])
+        if "gpu_memory_used" in gpu:
+            rec.set_attribute(c.GPU_MEMORY_USED, gpu["gpu_memory_used"])
+
     def _sampler_for(self, rec: Any) -> NvmlSampler | None:
         if not self.samplers:
             return None
@@ -141,10 +160,6 @@ class GpuSupport:
         values = [s.window(start_epoch_ns, end_epoch_ns) for s in self.samplers.values() if s.enabled]
         values = [v.mean for v in values if v is not None]
         return sum(values) / len(values) if values else None
-
-    def trace_signals(self, trace: Any, root: Any) -> dict[str, Any]:
-        value = self.trace_utilization(root.start_time, root.end_time)
-        return {} if value is None else {"gpu_utilization": value}
 
     def shutdown(self) -> None:
         for sampler in self.samplers.values():
@@ -169,8 +184,7 @@ def attach_gpu(runtime: Any, required: bool = False, **kwargs: Any) -> GpuSuppor
     if previous is not None:
         previous.shutdown()
     runtime.gpu = support
-    runtime.finalizer.gpu = support
-    runtime.finalizer.signal_sources["gpu"] = support.trace_signals
+    runtime.shipper.gpu = support
     return support
 
 

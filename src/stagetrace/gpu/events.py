@@ -3,7 +3,7 @@
 Events come from a per-device pool and are recorded on the stage's stream on the request thread. Only the
 finalizer reads them, and only after ``query()`` says they completed; ``elapsed_time`` is never called on an
 incomplete event. Wall-clock placement comes from calibration anchors: an event recorded on an idle side
-stream whose completion the finalizer observes, so ``t(E) = t(anchor) + anchor.elapsed_time(E)``.
+stream whose completion the helper thread observes, so ``t(E) = t(anchor) + anchor.elapsed_time(E)``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from stagetrace._safety import report_internal_error
 
 
 class GpuTiming:
-    """What a GPU stage carries to the finalizer: its events, stream and copy metadata."""
+    """What a GPU stage carries to the helper thread: its events, stream and copy metadata."""
 
     __slots__ = ("device", "end", "host_start_ns", "start", "stream")
 
@@ -118,7 +118,7 @@ class CaptureGuard:
 
 
 class CudaEventTimer:
-    """The finalizer's side: ``ready`` and ``resolve`` per stage, plus clock anchors."""
+    """The helper thread's side: ``ready`` and ``resolve`` per stage, plus clock anchors."""
 
     def __init__(
         self,
@@ -138,7 +138,7 @@ class CudaEventTimer:
         self._last_anchor: dict[int, float] = {}
         self.devices_seen: set[int] = set()
 
-    # --- readiness and resolution (finalizer thread) ----------------------------------------------------
+    # --- readiness and resolution (helper thread) ----------------------------------------------------
     def ready(self, rec: Any) -> bool:
         g = rec.gpu
         if g is None or g.end is None:

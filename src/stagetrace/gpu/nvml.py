@@ -224,7 +224,7 @@ class NvmlSampler:
 
     clock = "epoch"
 
-    # --- queries (finalizer thread) -------------------------------------------------------------------
+    # --- queries (helper thread) -------------------------------------------------------------------
     def window(self, start_epoch_ns: int, end_epoch_ns: int) -> WindowStats | None:
         with self._lock:
             samples = list(self._samples)

@@ -1,14 +1,18 @@
-"""The contract's metrics, recorded by the finalizer for every request whether or not its trace was sampled
-(principle 7). Attribute values stay low-cardinality: stage names are capped, the overflow counted."""
+"""The contract's metrics, recorded for every request whether or not its trace was sampled or kept.
+Attribute values stay low-cardinality: stage names are capped, the overflow counted.
+
+Every call takes plain values (the exemplar as trace and span ids), so that the same calls can be replayed
+in the application for metric readers that live there (``MetricsRecorder``)."""
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections import deque
+from typing import Any, Protocol
 
 from opentelemetry.context import Context
 from opentelemetry.metrics import Meter
-from opentelemetry.trace import NonRecordingSpan, SpanContext, set_span_in_context
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
 from stagetrace import conventions as c
 from stagetrace.analysis import Verdict
@@ -21,9 +25,15 @@ _NO_SPAN = Context()
 MS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 200, 300, 500, 750, 1000, 1500, 2500, 5000, 10000)
 
 
-def exemplar_context(span_context: SpanContext | None) -> Context | None:
+Exemplar = tuple[int, int]  # (trace id, span id) of a kept trace's root
+
+
+def exemplar_context(exemplar: Exemplar | None) -> Context | None:
     """A context carrying the trace's span so that histogram exemplars link to it (Grafana -> Jaeger)."""
-    if span_context is None or not span_context.is_valid:
+    if exemplar is None:
+        return None
+    span_context = SpanContext(exemplar[0], exemplar[1], False, TraceFlags(TraceFlags.SAMPLED))
+    if not span_context.is_valid:
         return None
     return set_span_in_context(NonRecordingSpan(span_context))
 
@@ -81,20 +91,25 @@ class StagetraceMetrics:
                 self._attr_cache[key] = attrs
         return attrs
 
-    def record_stage(self, name: str, kind: str, ms: float, route: str | None, ctx: Context | None = None) -> None:
+    def record_stage(self, name: str, kind: str, ms: float, route: str | None) -> None:
+        self._record_stage(name, kind, ms, route, None)
+
+    def _record_stage(self, name: str, kind: str, ms: float, route: str | None, ctx: Context | None) -> None:
         # An explicit empty context: the exemplar filter then finds no span at once, without reading the
-        # finalizer thread's current context.
+        # thread's current context.
         self._stage_duration.record(ms, self._stage_attrs(name, kind, route), context=ctx or _NO_SPAN)
 
-    def record_trace(self, verdict: Verdict, ctx: Context | None) -> None:
+    def record_trace(self, verdict: Verdict, exemplar: Exemplar | None) -> None:
         """One stage observation per stage name per request (its share of the breakdown, occurrences
         summed), so a stage's percentiles are per request like the trace's. The exemplar, which links a
         latency panel to the trace in Jaeger, goes on the trace duration and on the bottleneck stage: the
-        traces worth opening from a stage panel are the ones that stage slowed down."""
+        traces worth opening from a stage panel are the ones that stage slowed down. ``exemplar`` is given
+        only for traces that were kept, so an exemplar never points at a trace that was not exported."""
+        ctx = exemplar_context(exemplar)
         route = verdict.route
         kinds = verdict.stage_kinds
         for name, ms in verdict.breakdown.items():
-            self.record_stage(name, kinds.get(name, "cpu"), ms, route, ctx if name == verdict.bottleneck else None)
+            self._record_stage(name, kinds.get(name, "cpu"), ms, route, ctx if name == verdict.bottleneck else None)
         attrs: dict[str, Any] = {c.SLOW: verdict.slow}
         if route:
             attrs[c.HTTP_ROUTE] = route
@@ -110,3 +125,73 @@ class StagetraceMetrics:
 
     def gpu_utilization(self, value: float, hw_id: str) -> None:
         self._gpu_utilization.set(value, {c.HW_ID: hw_id})
+
+
+class MetricsSink(Protocol):
+    """Where the exporter's metric events go: the SDK instruments (``StagetraceMetrics``), a recorder for
+    replay in the application, or both."""
+
+    def record_stage(self, name: str, kind: str, ms: float, route: str | None) -> None: ...
+    def record_trace(self, verdict: Verdict, exemplar: Exemplar | None) -> None: ...
+    def dropped(self, reason: str, count: int = 1) -> None: ...
+    def gpu_utilization(self, value: float, hw_id: str) -> None: ...
+
+
+METRIC_METHODS = frozenset({"record_stage", "record_trace", "dropped", "gpu_utilization"})
+
+
+class MetricsRecorder:
+    """Keeps each call as ``(method, args)``, to be replayed on the application's own metrics."""
+
+    def __init__(self) -> None:
+        # A deque: request threads, samplers and the helper thread append while another thread takes.
+        self.calls: deque[tuple[str, tuple[Any, ...]]] = deque()
+
+    def record_stage(self, *args: Any) -> None:
+        self.calls.append(("record_stage", args))
+
+    def record_trace(self, *args: Any) -> None:
+        self.calls.append(("record_trace", args))
+
+    def dropped(self, reason: str, count: int = 1) -> None:
+        if count:
+            self.calls.append(("dropped", (reason, count)))
+
+    def gpu_utilization(self, *args: Any) -> None:
+        self.calls.append(("gpu_utilization", args))
+
+    def take(self) -> list[tuple[str, tuple[Any, ...]]]:
+        calls, pop = [], self.calls.popleft
+        while self.calls:
+            calls.append(pop())
+        return calls
+
+
+def replay(sink: MetricsSink, calls: list[tuple[str, tuple[Any, ...]]]) -> None:
+    """Apply recorded calls; an unknown method name (a malformed message) is ignored."""
+    for method, args in calls:
+        if method in METRIC_METHODS:
+            getattr(sink, method)(*args)
+
+
+class TeeMetrics:
+    """Every call to each of several sinks."""
+
+    def __init__(self, *sinks: MetricsSink) -> None:
+        self.sinks = sinks
+
+    def record_stage(self, *args: Any) -> None:
+        for s in self.sinks:
+            s.record_stage(*args)
+
+    def record_trace(self, *args: Any) -> None:
+        for s in self.sinks:
+            s.record_trace(*args)
+
+    def dropped(self, reason: str, count: int = 1) -> None:
+        for s in self.sinks:
+            s.dropped(reason, count)
+
+    def gpu_utilization(self, *args: Any) -> None:
+        for s in self.sinks:
+            s.gpu_utilization(*args)

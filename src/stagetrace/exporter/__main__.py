@@ -1,0 +1,5 @@
+import sys
+
+from stagetrace.exporter.process import main
+
+sys.exit(main())

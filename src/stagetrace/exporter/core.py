@@ -1,0 +1,212 @@
+"""The exporter's work on each shipped trace: analysis, diagnosis, the verdict, the keep decision, metrics,
+span building and export. The same object runs in the exporter process and, with
+``STAGETRACE_EXPORT_PROCESS=off``, on a background thread of the application.
+
+``handle`` takes one message (``handoff.wire``); a message that does not have the shape of its kind raises
+``MalformedRecord`` and changes nothing, so the caller can count it and go on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from opentelemetry.trace import StatusCode, format_trace_id
+
+from stagetrace import conventions as c
+from stagetrace._safety import RateLimitedLog, report_internal_error
+from stagetrace.analysis import TraceSignals, Verdict, analyse_trace, build_verdict, diagnose
+from stagetrace.exporter import signals as sig
+from stagetrace.exporter import spans as sp
+from stagetrace.exporter.metrics import MetricsSink, replay
+from stagetrace.exporter.sampling import RecentDecisions, decide
+from stagetrace.handoff import wire
+from stagetrace.settings import Settings
+
+
+class MalformedRecord(ValueError):
+    """A message from the channel that cannot be what its kind says."""
+
+
+class Outputs(Protocol):
+    """Where results go. ``wants_verdicts``: someone listens (``on_verdict``), so build them for it."""
+
+    metrics: MetricsSink
+    wants_verdicts: bool
+
+    def export(self, spans: Sequence[tuple[Any, ...]]) -> None: ...
+    def verdict(self, verdict: Verdict) -> None: ...
+    def flush(self, timeout_s: float) -> bool: ...
+
+
+_ERROR = StatusCode.ERROR.value
+
+
+class ExporterCore:
+    def __init__(self, settings: Settings, outputs: Outputs) -> None:
+        self.settings = settings
+        self.outputs = outputs
+        self.metrics = outputs.metrics
+        self.series = {sig.GIL_SERIES: sig.LagSeries(), sig.LOOP_SERIES: sig.LagSeries()}
+        self.decisions = RecentDecisions()
+        self.handled = 0  # traces, stages and spans handled (acknowledged to the application)
+        self.kept = 0
+        self._slow_log = RateLimitedLog(per_interval=settings.slow_log_per_minute, interval_s=60.0)
+        self._handlers = {
+            wire.TRACE: self._trace,
+            wire.LONE_STAGE: self._lone_stage,
+            wire.LONE_SPAN: self._lone_span,
+            wire.SIGNAL: self._signal,
+            wire.METRIC: self._metric,
+        }
+
+    # --- dispatch -------------------------------------------------------------------------------------
+    def handle(self, msg: Any) -> None:
+        if not isinstance(msg, tuple) or not msg:
+            raise MalformedRecord("a message is a non-empty tuple")
+        handler = self._handlers.get(msg[0])
+        if handler is None:
+            raise MalformedRecord(f"unknown message kind {msg[0]!r}")
+        try:
+            handler(msg)
+        except MalformedRecord:
+            raise
+        except (ValueError, TypeError, IndexError, KeyError, AttributeError) as e:
+            raise MalformedRecord(f"malformed {msg[0]!r} message: {e}") from e
+
+    def flush(self, timeout_s: float) -> bool:
+        return self.outputs.flush(timeout_s)
+
+    # --- traces ---------------------------------------------------------------------------------------
+    def _trace(self, msg: tuple[Any, ...]) -> None:
+        _, trace_id, flags, state, offset, dropped_stages, gpu_utilization, root, stages, others = msg
+        root = wire.check_span(root)
+        shipped = [wire.ShippedStage(s) for s in stages]
+        others = [wire.check_span(s) for s in others]
+        if not isinstance(trace_id, int) or not isinstance(offset, int) or not isinstance(flags, int):
+            raise MalformedRecord("malformed trace header")
+        self.handled += 1
+        try:
+            self._analyse_and_export(
+                trace_id, flags, state, offset, dropped_stages, gpu_utilization, root, shipped, others
+            )
+        except Exception:
+            report_internal_error("exporter trace")
+
+    def _analyse_and_export(
+        self,
+        trace_id: int,
+        flags: int,
+        state: str,
+        offset: int,
+        dropped_stages: int,
+        gpu_utilization: float | None,
+        root: tuple[Any, ...],
+        stages: list[wire.ShippedStage],
+        others: list[tuple[Any, ...]],
+    ) -> None:
+        for st in stages:
+            sig.resolve_cpu(st)
+        attrs = root[wire.SPAN_ATTRIBUTES]
+        route = attrs.get(c.HTTP_ROUTE)
+        route = route if isinstance(route, str) else None
+        root_start, root_end = root[wire.SPAN_START], root[wire.SPAN_END]
+        # The stages are in perf-counter time: the root moves to that clock for the analysis.
+        analysis = analyse_trace(root_start - offset, root_end - offset, stages, self.settings.threshold_for(route))
+        signals = self._signals(root_start, root_end, gpu_utilization)
+        verdict = build_verdict(
+            trace_id=format_trace_id(trace_id),
+            root_name=root[wire.SPAN_NAME],
+            analysis=analysis,
+            diagnoses=diagnose(analysis, stages, signals, self.settings.thresholds),
+            route=route,
+            signals=signals,
+            sampled=bool(flags & 1),
+        )
+        errored = (
+            root[wire.SPAN_STATUS] == _ERROR
+            or any(st.error for st in stages)
+            or any(o[wire.SPAN_STATUS] == _ERROR for o in others)
+        )
+        keep = decide(verdict, errored=errored, healthy_share=self.settings.healthy_sample, trace_id=trace_id)
+        self.decisions.remember(trace_id, keep.kept)
+        self.metrics.record_trace(verdict, (trace_id, root[wire.SPAN_ID]) if keep.kept else None)
+        if dropped_stages:
+            self.metrics.dropped("stages_per_trace", dropped_stages)
+        if keep.kept:
+            self.kept += 1
+            out = [sp.stage_span(st, trace_id, offset, flags, state) for st in stages]
+            out.extend(others)
+            out.append(sp.root_with_verdict(root, verdict, self.settings.record_query_strings))
+            self.outputs.export(out)
+        if verdict.slow:
+            self._log_slow(verdict)
+        if self.outputs.wants_verdicts:
+            self.outputs.verdict(verdict)
+
+    def _signals(self, start_ns: int, end_ns: int, gpu_utilization: float | None) -> TraceSignals:
+        s = self.settings
+        gil = self.series[sig.GIL_SERIES]
+        loop = self.series[sig.LOOP_SERIES]
+        return TraceSignals(
+            gpu_utilization=gpu_utilization if isinstance(gpu_utilization, (int, float)) else None,
+            gil_pressure_ms=sig.gil_pressure_ms(gil, start_ns, end_ns, s.gil_sampler_period_s or 0.01)
+            if len(gil)
+            else None,
+            loop_lag_ms=sig.max_loop_lag_ms(loop, start_ns, end_ns, s.loop_lag_interval_s) if len(loop) else None,
+        )
+
+    # --- stages and spans outside a held trace --------------------------------------------------------
+    def _lone_stage(self, msg: tuple[Any, ...]) -> None:
+        """A stage that ended after its trace's root (work after the response) or in a trace whose root
+        stagetrace does not hold: counted in the stage metric, exported if its trace is kept, in no verdict."""
+        _, trace_id, flags, state, offset, late, fields = msg
+        st = wire.ShippedStage(fields)
+        if not isinstance(trace_id, int) or not isinstance(offset, int) or not isinstance(flags, int):
+            raise MalformedRecord("malformed stage header")
+        self.handled += 1
+        sig.resolve_cpu(st)
+        gpu_timed = st.kind in c.GPU_KINDS and st.gpu_ms is not None
+        self.metrics.record_stage(st.name, st.kind, st.gpu_ms if gpu_timed else st.wall_ms, None)
+        if flags & 1 and self.decisions.kept(trace_id):
+            self.outputs.export([sp.stage_span(st, trace_id, offset, flags, state, {c.LATE: True} if late else None)])
+
+    def _lone_span(self, msg: tuple[Any, ...]) -> None:
+        span = wire.check_span(msg[1])
+        self.handled += 1
+        if self.decisions.kept(span[wire.SPAN_TRACE_ID]):
+            self.outputs.export([span])
+
+    # --- application-side measurements ------------------------------------------------------------------
+    def _signal(self, msg: tuple[Any, ...]) -> None:
+        _, name, flat = msg
+        series = self.series.get(name)
+        if series is None or not isinstance(flat, tuple):
+            raise MalformedRecord(f"unknown signal series {name!r}")
+        series.extend_flat(flat)
+
+    def _metric(self, msg: tuple[Any, ...]) -> None:
+        _, calls = msg
+        replay(self.metrics, [(str(m), tuple(a)) for m, a in calls])
+
+    def _log_slow(self, v: Verdict) -> None:
+        where = f" {v.route}" if v.route else ""
+        bottleneck = (
+            f"bottleneck {v.bottleneck} {v.ratio:.0%} ({v.breakdown[v.bottleneck]:.1f} ms)"
+            if v.bottleneck
+            else "no stages recorded"
+        )
+        codes = f"; diagnosis {', '.join(v.diagnosis_codes)}" if v.diagnoses else ""
+        self._slow_log.log(
+            logging.WARNING,
+            "slow",
+            "stagetrace: slow trace %s%s %.1f ms > %.0f ms; %s%s; trace_id=%s",
+            v.root_name,
+            where,
+            v.total_ms,
+            v.slow_threshold_ms,
+            bottleneck,
+            codes,
+            v.trace_id,
+        )

@@ -1,0 +1,102 @@
+"""Process signals joined to traces in the exporter: CPU figures from a stage's raw clock readings, and the
+GIL-pressure and event-loop-lag series that the application's samplers ship as (time, value) pairs.
+
+Pure bookkeeping: no threads, no clocks of its own; the exporter feeds it and asks windows of it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+MIN_CPU_ACCOUNTED_NS = 1_000_000
+GIL_SERIES = "gil"
+LOOP_SERIES = "loop"
+
+
+def resolve_cpu(stage: Any) -> None:
+    """Turn a stage's two raw readings (schedstat bytes, or thread CPU ns) into cpu_ms / runqueue_ms /
+    blocked_ms. Only stages of at least 1 ms: below that the split is scheduler noise, no rule looks at it,
+    and each attribute costs encoding on every span."""
+    start, end = stage.cpu_start, stage.cpu_end
+    if start is None or end is None or stage.end_ns - stage.start_ns < MIN_CPU_ACCOUNTED_NS:
+        return
+    if isinstance(start, int) != isinstance(end, int):
+        return  # readings of two kinds (the name's history changed in between): no comparable pair
+    wall_ms = stage.wall_ms
+    if isinstance(start, bytes):
+        try:
+            s_cpu, s_rq = start.split()[:2]
+            e_cpu, e_rq = end.split()[:2]
+            cpu_ms = (int(e_cpu) - int(s_cpu)) / 1e6
+            rq_ms = (int(e_rq) - int(s_rq)) / 1e6
+        except (ValueError, AttributeError):
+            return
+        stage.runqueue_ms = round(max(0.0, rq_ms), 3)
+    elif isinstance(start, int):  # thread CPU clock only: run-queue time stays inside blocked_ms
+        cpu_ms, rq_ms = (end - start) / 1e6, 0.0
+    else:
+        return
+    stage.cpu_ms = round(max(0.0, cpu_ms), 3)
+    stage.blocked_ms = round(max(0.0, wall_ms - cpu_ms - rq_ms), 3)
+
+
+class LagSeries:
+    """(epoch ns, lag ms) samples, bounded by trimming the oldest half when full, so that a window query
+    is a bisect plus a slice."""
+
+    def __init__(self, max_samples: int = 8192) -> None:
+        self._max = max_samples
+        self._times: list[int] = []
+        self._values: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self._times)
+
+    def extend_flat(self, flat: Sequence[Any]) -> None:
+        """``(t0, v0, t1, v1, ...)`` as shipped; out-of-order or malformed pairs are skipped."""
+        times, values = self._times, self._values
+        for i in range(0, len(flat) - 1, 2):
+            t, v = flat[i], flat[i + 1]
+            if not isinstance(t, int) or not isinstance(v, (int, float)):
+                continue
+            if times and t < times[-1]:
+                continue
+            times.append(t)
+            values.append(float(v))
+        if len(times) > self._max:
+            half = len(times) - self._max // 2
+            del times[:half], values[:half]
+
+    def window(self, start_ns: int, end_ns: int) -> list[float]:
+        lo = bisect.bisect_left(self._times, start_ns)
+        hi = bisect.bisect_right(self._times, end_ns)
+        return self._values[lo:hi]
+
+
+def gil_pressure_ms(
+    series: LagSeries, start_ns: int, end_ns: int, period_s: float, min_window_s: float = 0.5
+) -> float | None:
+    """Mean sampler wake-up lag over the trace, or over the last ``min_window_s`` before its end if the
+    trace is shorter. A woken sampler either gets the GIL at once or waits out a whole switch interval, so
+    single wake-ups say little; GIL pressure changes slowly, and a mean over ~100 wake-ups is steady."""
+    start_ns = min(start_ns, end_ns - int(min_window_s * 1e9))
+    slack = int(period_s * 2e9)
+    lags = series.window(start_ns - slack, end_ns + slack)
+    return round(statistics.fmean(lags), 3) if lags else None
+
+
+def max_loop_lag_ms(series: LagSeries, start_ns: int, end_ns: int, interval_s: float) -> float | None:
+    slack = int(interval_s * 2e9)
+    lags = series.window(start_ns - slack, end_ns + slack)
+    return round(max(lags), 3) if lags else None
+
+
+def flatten(samples: Iterable[tuple[int, float]]) -> tuple[Any, ...]:
+    out: list[Any] = []
+    for t, v in samples:
+        out.append(t)
+        out.append(v)
+    return tuple(out)

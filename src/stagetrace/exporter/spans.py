@@ -1,0 +1,154 @@
+"""Spans built from shipped records, as wire tuples (``handoff.wire.SPAN_FIELDS``) with their true
+timestamps: stage spans, and the local root with the verdict.
+
+Pure functions of their inputs: no clocks, no I/O, no global state. The stage span ids were allocated on
+the request thread, so spans that other instrumentations created inside a stage already point at them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry.trace import SpanKind, StatusCode
+
+from stagetrace import conventions as c
+from stagetrace._version import __version__
+from stagetrace.analysis import Verdict
+from stagetrace.handoff import wire
+
+# stage field -> span attribute: the signals a stage span carries when they were measured
+STAGE_SIGNAL_ATTRIBUTES = (
+    ("cpu_ms", c.CPU_MS),
+    ("blocked_ms", c.BLOCKED_MS),
+    ("runqueue_ms", c.RUNQUEUE_MS),
+    ("gpu_ms", c.GPU_DURATION_MS),
+    ("h2d_bytes", c.H2D_BYTES),
+    ("h2d_pinned", c.H2D_PINNED),
+    ("gpu_utilization", c.GPU_UTILIZATION),
+    ("queue_saturated", c.QUEUE_SATURATED),
+)
+
+
+def stage_attributes(stage: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    attrs: dict[str, Any] = {c.STAGE: stage.name, c.STAGE_KIND: stage.kind}
+    for field_name, key in STAGE_SIGNAL_ATTRIBUTES:
+        value = getattr(stage, field_name)
+        if value is not None:
+            attrs[key] = value
+    if stage.on_event_loop:
+        attrs[c.ON_EVENT_LOOP] = True
+    if stage.attributes:
+        attrs.update(stage.attributes)
+    if extra:
+        attrs.update(extra)
+    return attrs
+
+
+def stage_span(
+    stage: Any, trace_id: int, perf_to_epoch_ns: int, flags: int, trace_state: str, extra: dict[str, Any] | None = None
+) -> tuple[Any, ...]:
+    """``perf_to_epoch_ns`` moves the stage's perf-counter times onto the epoch clock of its trace."""
+    start = stage.start_ns + perf_to_epoch_ns
+    end = max(start, stage.end_ns + perf_to_epoch_ns)
+    events: tuple[Any, ...] = ()
+    status, description = StatusCode.UNSET.value, ""
+    if stage.error:
+        etype, message, stacktrace = stage.error
+        events = (
+            (
+                "exception",
+                end,
+                {"exception.type": etype, "exception.message": message, "exception.stacktrace": stacktrace},
+            ),
+        )
+        status, description = StatusCode.ERROR.value, f"{etype}: {message}"[:256]
+    return (
+        stage.name,
+        trace_id,
+        stage.span_id,
+        stage.parent_span_id,
+        False,
+        SpanKind.INTERNAL.value,
+        start,
+        end,
+        stage_attributes(stage, extra),
+        events,
+        (),
+        status,
+        description,
+        c.INSTRUMENTATION_NAME,
+        __version__,
+        flags,
+        trace_state,
+        0,
+    )
+
+
+def verdict_attributes(verdict: Verdict) -> dict[str, Any]:
+    attrs: dict[str, Any] = {
+        c.TOTAL_MS: round(verdict.total_ms, 3),
+        c.SLOW: verdict.slow,
+        c.SLOW_THRESHOLD_MS: verdict.slow_threshold_ms,
+        c.UNTRACKED_MS: round(verdict.untracked_ms, 3),
+    }
+    if verdict.breakdown:
+        attrs[c.STAGES] = tuple(verdict.breakdown)
+        attrs[c.STAGES_MS] = tuple(round(v, 3) for v in verdict.breakdown.values())
+    if verdict.bottleneck is not None:
+        attrs[c.BOTTLENECK_STAGE] = verdict.bottleneck
+        attrs[c.BOTTLENECK_RATIO] = round(verdict.ratio, 4)
+    if verdict.diagnoses:
+        attrs[c.DIAGNOSIS] = verdict.diagnosis_codes
+    if verdict.gpu_utilization is not None:
+        attrs[c.GPU_UTILIZATION] = round(verdict.gpu_utilization, 4)
+    if verdict.gil_pressure_ms is not None:
+        attrs[c.GIL_PRESSURE_MS] = verdict.gil_pressure_ms
+    if verdict.loop_lag_ms is not None:
+        attrs[c.LOOP_LAG_MS] = verdict.loop_lag_ms
+    return attrs
+
+
+def diagnosis_events(verdict: Verdict, timestamp_ns: int) -> tuple[Any, ...]:
+    events = []
+    for d in verdict.diagnoses:
+        attrs = {
+            c.DIAGNOSIS_EVENT_CODE: d.code,
+            c.DIAGNOSIS_EVENT_MESSAGE: d.message,
+            c.DIAGNOSIS_EVENT_ADVICE: d.advice,
+        }
+        if d.stage:
+            attrs[c.DIAGNOSIS_EVENT_STAGE] = d.stage
+        events.append((c.DIAGNOSIS_EVENT, timestamp_ns, attrs))
+    return tuple(events)
+
+
+# Attributes where HTTP instrumentations put the query string (old and new semantic conventions).
+_QUERY_BEARING = ("http.target", "http.url", "url.full")
+_QUERY_ONLY = ("url.query",)
+
+
+def strip_query_strings(attributes: dict[str, Any]) -> None:
+    """Query strings carry user data (ids, tokens, search terms); they are not kept unless the user opts
+    in (``Settings(record_query_strings=True)``)."""
+    for key in _QUERY_BEARING:
+        value = attributes.get(key)
+        if isinstance(value, str) and "?" in value:
+            attributes[key] = value.split("?", 1)[0]
+    for key in _QUERY_ONLY:
+        attributes.pop(key, None)
+
+
+def root_with_verdict(root: tuple[Any, ...], verdict: Verdict, keep_query_strings: bool = False) -> tuple[Any, ...]:
+    """The local root's wire tuple with the verdict attributes and one event per diagnosis."""
+    attributes = dict(root[wire.SPAN_ATTRIBUTES])
+    if not keep_query_strings:
+        strip_query_strings(attributes)
+    attributes.update(verdict_attributes(verdict))
+    events = tuple(root[wire.SPAN_EVENTS]) + diagnosis_events(verdict, root[wire.SPAN_END])
+    return wire.replace_span(root, attributes=attributes, events=events)
+
+
+def without_query_strings(span: tuple[Any, ...]) -> tuple[Any, ...]:
+    attributes = dict(span[wire.SPAN_ATTRIBUTES])
+    strip_query_strings(attributes)
+    return wire.replace_span(span, attributes=attributes)

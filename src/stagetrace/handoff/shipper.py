@@ -1,0 +1,330 @@
+"""The application's helper thread: takes finished traces from request threads, waits (without ever
+synchronising) for their CUDA events, packs them into wire records and hands them to the exporter in one
+batch per poll interval.
+
+Request threads only append to a deque: appends are atomic and wake nobody. The helper drains it every
+poll interval while busy and sleeps when idle, so a request never pays for a thread hand-off; only the
+first submission after an idle spell sets the wake-up event. The deque is bounded: a full one drops the
+trace and counts it, it never blocks a request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from opentelemetry.sdk.trace import ReadableSpan
+
+from stagetrace._safety import report_internal_error
+from stagetrace.capture.records import StageRecord, TraceRecord
+from stagetrace.exporter.metrics import MetricsRecorder
+from stagetrace.exporter.signals import flatten
+from stagetrace.handoff import wire
+from stagetrace.settings import Settings
+
+DATA_KINDS = frozenset({wire.TRACE, wire.LONE_STAGE, wire.LONE_SPAN})
+
+
+class Transport(Protocol):
+    """Carries batches of wire messages to the exporter and brings its results back."""
+
+    def send(self, messages: list[tuple[Any, ...]]) -> None: ...
+    def poll(self) -> None: ...
+    def close(self, timeout_s: float) -> bool: ...
+
+
+class SampleSource(Protocol):
+    def drain(self) -> list[tuple[int, float]]: ...
+
+
+class _FlushMarker:
+    __slots__ = ("done", "ok", "seq", "timeout_s")
+
+    def __init__(self, seq: int, timeout_s: float) -> None:
+        self.seq = seq
+        self.timeout_s = timeout_s
+        self.done = threading.Event()
+        self.ok = False
+
+
+class _LoneSpan:
+    __slots__ = ("span",)
+
+    def __init__(self, span: ReadableSpan) -> None:
+        self.span = span
+
+
+class Shipper:
+    """``gpu`` (optional, set by GPU support) says whether a stage's CUDA events completed (``ready``,
+    never blocking), turns them into numbers (``apply``) and does periodic work on this thread (``tick``)."""
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        transport_factory: Callable[[Shipper], Transport],
+        app_metrics: MetricsRecorder,
+        registry: Any,
+        signal_sources: Mapping[str, SampleSource] = {},
+    ) -> None:
+        self.settings = settings
+        self._transport_factory = transport_factory
+        self.app_metrics = app_metrics
+        self.registry = registry
+        self.signal_sources = dict(signal_sources)
+        self.gpu: Any = None
+        self.on_thread_start: list[Callable[[], None]] = []  # samplers to (re)start with this thread
+        self._seq = itertools.count(1)
+        self._init_state()
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (lambda s: s and s._after_fork())(ref()))
+
+    def _init_state(self) -> None:
+        self._items: deque[Any] = deque()
+        self._parked: list[tuple[float, Any]] = []  # traces waiting for their CUDA events
+        self._flushes: list[_FlushMarker] = []  # flush requests waiting for the parked traces before them
+        self._sent_flushes: dict[int, _FlushMarker] = {}
+        self._wake = threading.Event()
+        self._sleeping = False
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._pid = os.getpid()
+        self._stopped = False
+        self._last_sweep = time.monotonic()
+        self.transport: Transport | None = None
+
+    def _after_fork(self) -> None:
+        # The parent's traces in flight mean nothing here, its thread did not survive the fork, and its
+        # exporter belongs to the parent: this process gets its own on first use.
+        self._init_state()
+        self.registry.clear()
+
+    # --- submission (request threads) ----------------------------------------------------------------
+    def start(self) -> None:
+        if self._pid != os.getpid():
+            self._after_fork()
+        with self._start_lock:
+            if self._thread is None and not self._stopped:
+                if self.transport is None:
+                    self.transport = self._transport_factory(self)
+                self._thread = threading.Thread(target=self._run, name="stagetrace-shipper", daemon=True)
+                self._thread.start()
+                for start in self.on_thread_start:
+                    try:
+                        start()
+                    except Exception:
+                        report_internal_error("sampler start")
+
+    def _submit(self, item: Any) -> bool:
+        if self._thread is None or self._pid != os.getpid():
+            if self._stopped:
+                return False
+            self.start()
+        if self._stopped:
+            return False
+        if len(self._items) >= self.settings.queue_size:
+            self.app_metrics.dropped("handoff_queue_full")
+            return False
+        self._items.append(item)
+        if self._sleeping:
+            self._wake.set()
+        return True
+
+    def submit_trace(self, trace: TraceRecord, root: ReadableSpan) -> bool:
+        return self._submit((trace, root))
+
+    def submit_lone_stage(self, rec: StageRecord) -> None:
+        self._submit(rec)
+
+    def submit_lone_span(self, span: ReadableSpan) -> None:
+        self._submit(_LoneSpan(span))
+
+    # --- flush / shutdown ----------------------------------------------------------------------------
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Everything submitted before the call analysed, exported and its results delivered."""
+        if self._thread is None or self._pid != os.getpid() or self._stopped:
+            return True
+        marker = _FlushMarker(next(self._seq), timeout_s)
+        self._items.append(marker)
+        self._wake.set()
+        if not marker.done.wait(timeout_s):
+            return False
+        return marker.ok
+
+    def flushed(self, seq: int, ok: bool) -> None:
+        """The transport's answer to a flush marker."""
+        marker = self._sent_flushes.pop(seq, None)
+        if marker is not None:
+            marker.ok = ok
+            marker.done.set()
+
+    def abandon_flushes(self) -> None:
+        """The exporter died with flushes unanswered: they fail now rather than at their timeout."""
+        for seq in list(self._sent_flushes):
+            self.flushed(seq, False)
+
+    def shutdown(self, timeout_s: float = 5.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        ok = self.flush(timeout_s)
+        self._stopped = True
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._wake.set()
+            thread.join(timeout=max(0.1, deadline - time.monotonic()))
+        transport = self.transport
+        if transport is not None and self._pid == os.getpid():
+            ok = transport.close(max(0.5, deadline - time.monotonic())) and ok
+        return ok
+
+    # --- the thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        poll = self.settings.poll_interval_s
+        while True:
+            if self._items or self._parked:
+                self._wake.wait(poll)
+            else:
+                self._sleeping = True
+                if not self._items:  # re-check: a submit may have raced the flag
+                    self._wake.wait(min(poll * 10, self.settings.sweep_interval_s))
+                self._sleeping = False
+            self._wake.clear()
+            self._busy = True
+            try:
+                self._cycle(final=self._stopped)
+            except Exception:
+                report_internal_error("shipper")
+            finally:
+                self._busy = False
+            if self._stopped and not self._items:
+                return
+
+    def _cycle(self, final: bool = False) -> None:
+        messages: list[tuple[Any, ...]] = []
+        for name, source in self.signal_sources.items():
+            samples = source.drain()
+            if samples:
+                messages.append((wire.SIGNAL, name, flatten(samples)))
+        items = self._items
+        while items:
+            item = items.popleft()
+            if isinstance(item, _FlushMarker):
+                self._flushes.append(item)
+            elif not self._gpu_ready(item):
+                self._parked.append((time.monotonic(), item))
+            else:
+                self._pack_into(messages, item)
+        if self._parked:
+            self._drain_parked(messages, force=final)
+        calls = self.app_metrics.take()
+        if calls:
+            messages.append((wire.METRIC, tuple(calls)))
+        if self._flushes and not self._parked:
+            for marker in self._flushes:
+                self._sent_flushes[marker.seq] = marker
+                messages.append((wire.FLUSH, marker.seq, marker.timeout_s))
+            self._flushes = []
+        transport = self.transport
+        if transport is not None:
+            if messages:
+                transport.send(messages)
+            transport.poll()
+        self._periodic()
+
+    def _periodic(self) -> None:
+        if self.gpu is not None:
+            try:
+                self.gpu.tick()
+            except Exception:
+                report_internal_error("GPU tick")
+        now = time.monotonic()
+        if now - self._last_sweep >= self.settings.sweep_interval_s:
+            self._last_sweep = now
+            try:
+                self.registry.evict_expired()
+            except Exception:
+                report_internal_error("registry sweep")
+
+    # --- GPU readiness ---------------------------------------------------------------------------------
+    def _gpu_ready(self, item: Any) -> bool:
+        gpu = self.gpu
+        if gpu is None or isinstance(item, _LoneSpan):
+            return True
+        if isinstance(item, StageRecord):
+            return gpu.ready((item,), None)
+        return gpu.ready(tuple(item[0].stages), item[1].end_time)
+
+    def _drain_parked(self, messages: list[tuple[Any, ...]], force: bool) -> None:
+        now = time.monotonic()
+        still: list[tuple[float, Any]] = []
+        for since, item in self._parked:
+            expired = now - since > self.settings.gpu_wait_timeout_s
+            if force or expired or self._gpu_ready(item):
+                if expired and not force:
+                    self.app_metrics.dropped("gpu_event_timeout")
+                self._pack_into(messages, item)
+            else:
+                still.append((since, item))
+        self._parked = still
+
+    # --- packing ---------------------------------------------------------------------------------------
+    def _pack_into(self, messages: list[tuple[Any, ...]], item: Any) -> None:
+        try:
+            if isinstance(item, StageRecord):
+                messages.append(self._pack_lone_stage(item))
+            elif isinstance(item, _LoneSpan):
+                messages.append((wire.LONE_SPAN, wire.pack_span(item.span)))
+            else:
+                messages.append(self._pack_trace(*item))
+        except Exception:
+            report_internal_error("packing a trace")
+            self.app_metrics.dropped("unpackable")
+
+    def _pack_trace(self, trace: TraceRecord, root: ReadableSpan) -> tuple[Any, ...]:
+        with trace.lock:
+            trace.closed = True
+            stages = list(trace.stages)
+            others = list(trace.others)
+        offset = trace.perf_to_epoch_ns
+        gpu_utilization = None
+        gpu = self.gpu
+        if gpu is not None:
+            for rec in stages:
+                gpu.apply(rec, offset)
+            gpu_utilization = gpu.trace_utilization(root.start_time or 0, root.end_time or 0)
+        ctx = root.context
+        return (
+            wire.TRACE,
+            trace.trace_id,
+            int(ctx.trace_flags),
+            wire.trace_state_header(ctx.trace_state),
+            offset,
+            trace.dropped_stages,
+            gpu_utilization,
+            wire.pack_span(root),
+            tuple(map(wire.pack_stage, stages)),
+            tuple(map(wire.pack_span, others)),
+        )
+
+    def _pack_lone_stage(self, rec: StageRecord) -> tuple[Any, ...]:
+        trace = rec.trace
+        offset = trace.perf_to_epoch_ns if trace is not None else rec.perf_to_epoch_ns
+        if self.gpu is not None:
+            self.gpu.apply(rec, offset)
+        source: Any = trace if trace is not None else rec  # untracked trace: flags were taken at stage entry
+        flags = source.trace_flags
+        return (
+            wire.LONE_STAGE,
+            rec.trace_id,
+            int(flags) if flags is not None else 0,
+            wire.trace_state_header(source.trace_state),
+            offset,
+            trace is not None,
+            wire.pack_stage(rec),
+        )

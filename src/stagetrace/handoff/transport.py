@@ -1,0 +1,315 @@
+"""The two ways a batch of wire messages reaches the exporter's work.
+
+``ProcessTransport`` (the default): an exporter process started with the application's interpreter
+(``python -m stagetrace.exporter``), fed through an anonymous pipe; results come back on a second pipe.
+It is supervised from the helper thread: a dead exporter is restarted (at most a few times a minute), and
+what it had not acknowledged is counted in ``stagetrace.dropped{reason="exporter_restart"}``.
+
+``InlineTransport`` (``STAGETRACE_EXPORT_PROCESS=off``): the same ``ExporterCore`` called on the helper
+thread, for environments that forbid subprocesses.
+"""
+
+from __future__ import annotations
+
+import logging
+import marshal
+import os
+import pickle
+import subprocess
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from stagetrace._safety import logger, report_internal_error, warn_once
+from stagetrace.exporter.core import ExporterCore, MalformedRecord
+from stagetrace.exporter.metrics import MetricsRecorder, replay
+from stagetrace.exporter.outputs import LocalOutputs
+from stagetrace.handoff import wire
+from stagetrace.handoff.channel import FrameReader, NonBlockingWriter, encode_frame, make_pipe
+from stagetrace.handoff.shipper import DATA_KINDS, Shipper
+from stagetrace.settings import Settings
+
+
+def encode_batch(messages: list[tuple[Any, ...]]) -> tuple[bytes, int]:
+    """``marshal`` (C, no code on decode) of the batch; a message holding a value marshal cannot take (an
+    enum, an object in an attribute) is made plain, or left out and counted when even that fails."""
+    try:
+        return marshal.dumps(messages), 0
+    except ValueError:
+        pass
+    kept, lost = [], 0
+    for msg in messages:
+        try:
+            marshal.dumps(msg)
+            kept.append(msg)
+        except ValueError:
+            try:
+                plain = wire.plain(msg)
+                marshal.dumps(plain)
+                kept.append(plain)
+            except ValueError:
+                lost += 1
+    return marshal.dumps(kept), lost
+
+
+class InlineTransport:
+    def __init__(self, shipper: Shipper, core: ExporterCore) -> None:
+        self.shipper = shipper
+        self.core = core
+
+    def send(self, messages: list[tuple[Any, ...]]) -> None:
+        for msg in messages:
+            if msg[0] == wire.FLUSH:
+                self.shipper.flushed(msg[1], self.core.flush(msg[2]))
+                continue
+            try:
+                self.core.handle(msg)
+            except MalformedRecord:
+                self.core.metrics.dropped("malformed_record")
+
+    def poll(self) -> None:
+        return None
+
+    def close(self, timeout_s: float) -> bool:
+        return self.core.flush(timeout_s)
+
+
+class ProcessTransport:
+    """``config``: called at every (re)start, in the process that starts the exporter, so that a forked
+    worker's exporter describes that worker (its pid, its own output file)."""
+
+    def __init__(
+        self,
+        shipper: Shipper,
+        *,
+        settings: Settings,
+        config: Callable[[], dict[str, Any]],
+        local: LocalOutputs,
+        app_metrics: MetricsRecorder,
+    ) -> None:
+        self.shipper = shipper
+        self.settings = settings
+        self._config = config
+        self.local = local
+        self.app_metrics = app_metrics
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._writer: NonBlockingWriter | None = None
+        self._results_fd = -1
+        self._reader = FrameReader()
+        self._shipped = 0  # data records written to the current exporter
+        self._acked = 0  # ... of which it acknowledged handling
+        self._restarts: list[float] = []
+        self._gave_up = False
+        self._last_liveness = 0.0
+        self.started_at = 0.0
+        self._pid = os.getpid()
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (lambda t: t and t._forget_after_fork())(ref()))
+        self._start()
+
+    # --- lifecycle ------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        to_exporter_r, to_exporter_w = make_pipe()
+        results_r, results_w = make_pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "stagetrace.exporter", str(to_exporter_r), str(results_w)],
+                pass_fds=(to_exporter_r, results_w),
+                stdin=subprocess.DEVNULL,
+                close_fds=True,
+            )
+        except OSError:
+            for fd in (to_exporter_r, to_exporter_w, results_r, results_w):
+                os.close(fd)
+            raise
+        finally:
+            if self.proc is not None:
+                os.close(to_exporter_r)
+                os.close(results_w)
+        self.started_at = time.monotonic()
+        self._writer = NonBlockingWriter(to_exporter_w, self.settings.channel_buffer_bytes)
+        os.set_blocking(results_r, False)
+        self._results_fd = results_r
+        self._reader = FrameReader()
+        self._shipped = self._acked = 0
+        self._writer.write(encode_frame(marshal.dumps((wire.CONFIG, self._config()))), force=True)
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: the parent's exporter is not ours. Close our copies of its pipes (so it sees
+        end-of-file when the parent goes) without touching the process itself."""
+        if self._writer is not None:
+            self._writer.close()
+        if self._results_fd >= 0:
+            try:
+                os.close(self._results_fd)
+            except OSError:
+                pass
+        self.proc = None
+        self._writer = None
+        self._results_fd = -1
+
+    def _died(self) -> None:
+        lost = max(0, self._shipped - self._acked)
+        code = self.proc.returncode if self.proc is not None else None
+        logger.warning(
+            "stagetrace: the exporter process ended (exit %s); %d traces in flight lost, restarting", code, lost
+        )
+        self._drop_channel()
+        if lost:
+            self.app_metrics.dropped("exporter_restart", lost)
+        self.shipper.abandon_flushes()
+        now = time.monotonic()
+        self._restarts = [t for t in self._restarts if now - t < 60.0]
+        if len(self._restarts) >= self.settings.exporter_restarts_per_minute:
+            self._gave_up = True
+            warn_once(
+                "exporter-gave-up",
+                "stagetrace: the exporter process keeps dying; traces are dropped and counted from now on",
+            )
+            return
+        self._restarts.append(now)
+        try:
+            self._start()
+        except Exception:
+            report_internal_error("exporter restart")
+            self._gave_up = True
+
+    def _drop_channel(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._results_fd >= 0:
+            self._read_results()
+            try:
+                os.close(self._results_fd)
+            except OSError:
+                pass
+            self._results_fd = -1
+        if self.proc is not None:
+            try:
+                self.proc.kill()
+                self.proc.wait(1.0)
+            except Exception:
+                pass
+
+    def close(self, timeout_s: float) -> bool:
+        """End of input, then wait for the exporter to flush and exit (reading its results meanwhile, so
+        that it never blocks on a full results pipe); past the deadline it is killed."""
+        if self._pid != os.getpid():
+            self._forget_after_fork()
+            return True
+        proc, writer = self.proc, self._writer
+        if proc is None or writer is None:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while writer.pending and not writer.broken and time.monotonic() < deadline:
+            writer.pump()
+            self._read_results()
+            time.sleep(0.002)
+        writer.close()
+        self._writer = None
+        ok = True
+        while proc.poll() is None:
+            self._read_results()
+            if time.monotonic() >= deadline:
+                proc.kill()
+                ok = False
+                break
+            time.sleep(0.005)
+        proc.wait(2.0)
+        self._read_results()
+        os.close(self._results_fd)
+        self._results_fd = -1
+        self.proc = None
+        return ok and proc.returncode == 0
+
+    # --- sending --------------------------------------------------------------------------------------
+    def send(self, messages: list[tuple[Any, ...]]) -> None:
+        if self._pid != os.getpid():
+            self._forget_after_fork()
+            self._pid = os.getpid()
+        if self.proc is None and not self._gave_up:
+            try:
+                self._start()
+            except Exception:
+                report_internal_error("exporter start")
+                self._gave_up = True
+        data = sum(1 for m in messages if m[0] in DATA_KINDS)
+        writer = self._writer
+        if writer is None or self._gave_up:
+            self.app_metrics.dropped("exporter_unavailable", data)
+            return
+        payload, lost = encode_batch(messages)
+        if lost:
+            self.app_metrics.dropped("unencodable", lost)
+        if writer.write(encode_frame(payload), force=data == 0):
+            self._shipped += data - lost
+            return
+        if writer.broken:
+            self._died()
+            return
+        # The channel is full (the exporter is behind): the traces are dropped and counted, the control
+        # messages (signals, metric events, flushes) still go.
+        self.app_metrics.dropped("channel_full", data)
+        control = [m for m in messages if m[0] not in DATA_KINDS]
+        if control:
+            writer.write(encode_frame(encode_batch(control)[0]), force=True)
+
+    # --- results --------------------------------------------------------------------------------------
+    def poll(self) -> None:
+        if self._writer is not None:
+            self._writer.pump()
+            if self._writer.broken:
+                self._died()
+                return
+        self._read_results()
+        now = time.monotonic()
+        if now - self._last_liveness >= 0.2:
+            self._last_liveness = now
+            if self.proc is not None and self.proc.poll() is not None:
+                self._died()
+
+    def _read_results(self) -> None:
+        fd = self._results_fd
+        if fd < 0:
+            return
+        while True:
+            try:
+                data = os.read(fd, 1 << 20)
+            except BlockingIOError:
+                return
+            except OSError:
+                return
+            if not data:
+                return
+            for payload in self._reader.feed(data):
+                try:
+                    batch = pickle.loads(payload)
+                except Exception:
+                    report_internal_error("exporter results")
+                    continue
+                for msg in batch:
+                    self._dispatch(msg)
+
+    def _dispatch(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        try:
+            if kind == wire.SPANS:
+                self.local.export(msg[1])
+            elif kind == wire.VERDICT:
+                self.local.verdict(msg[1])
+            elif kind == wire.METRIC:
+                replay(self.local.metrics, msg[1])
+            elif kind == wire.LOG:
+                _, level, name, text = msg
+                logging.getLogger(name).log(level, "%s", text)
+            elif kind == wire.ACK:
+                self._acked = max(self._acked, msg[1])
+            elif kind == wire.FLUSH:
+                _, seq, ok = msg
+                ok = self.local.flush(self.settings.shutdown_timeout_s) and ok
+                self.shipper.flushed(seq, ok)
+        except Exception:
+            report_internal_error("exporter result dispatch")

@@ -1,0 +1,273 @@
+"""The records that cross from the application to the exporter: one table per record type, plain tuples
+on the wire.
+
+A stage crosses as the tuple of its ``STAGE_FIELDS`` (one ``attrgetter`` call on the capture record, no
+per-field Python code), a span as the tuple of ``SPAN_FIELDS``. Both ends index by these tables, so a field
+is added in one place. Everything here is plain data (ints, floats, strings, bytes, tuples, dicts) so that
+``marshal`` encodes it in C and the exporter can rebuild it without trusting the sender's code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from operator import attrgetter
+from typing import Any
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
+
+# --- message kinds ------------------------------------------------------------------------------------
+# application -> exporter
+CONFIG = "C"  # (CONFIG, config dict): the first message a new exporter receives
+TRACE = "T"  # (TRACE, trace_id, flags, trace_state, perf_to_epoch_ns, dropped_stages, gpu_utilization,
+#                      root span, (stage, ...), (other span, ...))
+LONE_STAGE = "S"  # (LONE_STAGE, trace_id, flags, trace_state, perf_to_epoch_ns, late, stage)
+LONE_SPAN = "P"  # (LONE_SPAN, span): a span of a trace whose local root stagetrace is not holding
+SIGNAL = "G"  # (SIGNAL, series name, (epoch_ns, value, epoch_ns, value, ...))
+METRIC = "M"  # (METRIC, method, args): a metric event raised in the application (drops, NVML gauge)
+FLUSH = "F"  # (FLUSH, seq, timeout_s) -> answered with (FLUSH, seq, ok)
+# exporter -> application
+SPANS = "X"  # (SPANS, (span, ...)): kept spans for exporters that live in the application
+VERDICT = "V"  # (VERDICT, Verdict) for on_verdict callbacks
+LOG = "L"  # (LOG, level, message)
+ACK = "A"  # (ACK, records handled so far)
+
+# --- stages -------------------------------------------------------------------------------------------
+STAGE_FIELDS = (
+    "name",
+    "kind",
+    "span_id",
+    "parent_span_id",
+    "parent_stage_id",
+    "start_ns",
+    "end_ns",
+    "cpu_start",
+    "cpu_end",
+    "on_event_loop",
+    "error",
+    "attributes",
+    "gpu_ms",
+    "gpu_utilization",
+    "h2d_bytes",
+    "h2d_pinned",
+    "queue_saturated",
+)
+pack_stage = attrgetter(*STAGE_FIELDS)
+"""A capture record (or anything with these attributes) as its wire tuple."""
+
+
+class ShippedStage:
+    """A stage as the exporter sees it: the wire fields by name, plus what the exporter derives from them
+    (CPU figures from the raw clock readings). The analysis reads stages by these field names."""
+
+    __slots__ = (*STAGE_FIELDS, "blocked_ms", "cpu_ms", "runqueue_ms")
+
+    def __init__(self, fields: Sequence[Any]) -> None:
+        if len(fields) != len(STAGE_FIELDS):
+            raise ValueError(f"a stage record has {len(STAGE_FIELDS)} fields, got {len(fields)}")
+        for name, value in zip(STAGE_FIELDS, fields):
+            setattr(self, name, value)
+        if not isinstance(self.name, str) or not isinstance(self.start_ns, int) or not isinstance(self.end_ns, int):
+            raise ValueError("a stage record needs a str name and int times")
+        self.cpu_ms: float | None = None
+        self.blocked_ms: float | None = None
+        self.runqueue_ms: float | None = None
+
+    @property
+    def wall_ms(self) -> float:
+        return max(0, self.end_ns - self.start_ns) / 1e6
+
+    def __repr__(self) -> str:
+        return f"ShippedStage({self.name!r}, kind={self.kind!r})"
+
+
+# --- spans --------------------------------------------------------------------------------------------
+SPAN_FIELDS = (
+    "name",
+    "trace_id",
+    "span_id",
+    "parent_span_id",  # 0: no parent
+    "parent_is_remote",
+    "kind",  # SpanKind value
+    "start_ns",
+    "end_ns",
+    "attributes",
+    "events",  # ((name, timestamp_ns, attributes), ...)
+    "links",  # ((trace_id, span_id, flags, trace_state, attributes), ...)
+    "status_code",  # StatusCode value
+    "status_description",
+    "scope_name",
+    "scope_version",
+    "flags",
+    "trace_state",  # W3C header form
+    "dropped_attributes",
+)
+SPAN_INDEX = {name: i for i, name in enumerate(SPAN_FIELDS)}
+SPAN_NAME, SPAN_TRACE_ID, SPAN_ID = 0, 1, 2
+SPAN_START, SPAN_END, SPAN_ATTRIBUTES, SPAN_EVENTS = 6, 7, 8, 9
+SPAN_STATUS = 11
+assert SPAN_FIELDS[SPAN_START] == "start_ns" and SPAN_FIELDS[SPAN_ATTRIBUTES] == "attributes"
+assert SPAN_FIELDS[SPAN_EVENTS] == "events" and SPAN_FIELDS[SPAN_STATUS] == "status_code"
+
+
+def trace_state_header(state: TraceState | None) -> str:
+    return state.to_header() if state else ""
+
+
+def parse_trace_state(header: str) -> TraceState | None:
+    return TraceState.from_header([header]) if header else None
+
+
+def _plain_attributes(attributes: Any) -> dict[str, Any]:
+    return dict(attributes) if attributes else {}
+
+
+def pack_span(span: ReadableSpan) -> tuple[Any, ...]:
+    """An SDK span as its wire tuple. Runs on the application's helper thread, never a request thread."""
+    ctx = span.context
+    parent = span.parent
+    scope = span.instrumentation_scope
+    status = span.status
+    return (
+        span.name,
+        ctx.trace_id,
+        ctx.span_id,
+        parent.span_id if parent is not None else 0,
+        bool(parent.is_remote) if parent is not None else False,
+        span.kind.value,
+        span.start_time or 0,
+        span.end_time or 0,
+        _plain_attributes(span.attributes),
+        tuple((e.name, e.timestamp, _plain_attributes(e.attributes)) for e in span.events),
+        tuple(
+            (
+                link.context.trace_id,
+                link.context.span_id,
+                int(link.context.trace_flags),
+                trace_state_header(link.context.trace_state),
+                _plain_attributes(link.attributes),
+            )
+            for link in span.links
+        ),
+        status.status_code.value,
+        status.description or "",
+        scope.name if scope is not None else "",
+        (scope.version or "") if scope is not None else "",
+        int(ctx.trace_flags),
+        trace_state_header(ctx.trace_state),
+        span.dropped_attributes,
+    )
+
+
+class RebuiltSpan(ReadableSpan):
+    """A span rebuilt from its wire tuple, keeping the original's dropped-attribute count. Its attributes
+    are a plain dict: they were validated by the SDK (or built clean) where the span was made."""
+
+    _dropped_attributes = 0
+
+    @property
+    def dropped_attributes(self) -> int:
+        return self._dropped_attributes
+
+
+_scopes: dict[tuple[str, str], InstrumentationScope] = {}
+_KINDS = {k.value: k for k in SpanKind}
+_STATUS_CODES = {s.value: s for s in StatusCode}
+_UNSET = Status(StatusCode.UNSET)
+
+
+def _scope(name: str, version: str) -> InstrumentationScope:
+    key = (name, version)
+    scope = _scopes.get(key)
+    if scope is None:
+        scope = InstrumentationScope(name, version or None)
+        if len(_scopes) < 1024:
+            _scopes[key] = scope
+    return scope
+
+
+def to_readable(packed: Sequence[Any], resource: Resource) -> ReadableSpan:
+    """The wire tuple as an SDK span, ready for any span processor or exporter."""
+    (
+        name,
+        trace_id,
+        span_id,
+        parent_span_id,
+        parent_is_remote,
+        kind,
+        start_ns,
+        end_ns,
+        attributes,
+        events,
+        links,
+        status_code,
+        status_description,
+        scope_name,
+        scope_version,
+        flags,
+        trace_state,
+        dropped_attributes,
+    ) = packed
+    trace_flags = TraceFlags(flags)
+    state = parse_trace_state(trace_state)
+    code = _STATUS_CODES.get(status_code, StatusCode.UNSET)
+    span = RebuiltSpan(
+        name=name,
+        context=SpanContext(trace_id, span_id, False, trace_flags, state),
+        parent=SpanContext(trace_id, parent_span_id, parent_is_remote, trace_flags, state) if parent_span_id else None,
+        resource=resource,
+        attributes=attributes,
+        events=tuple(Event(n, a, timestamp=ts) for n, ts, a in events),
+        links=tuple(Link(SpanContext(t, s, True, TraceFlags(f), parse_trace_state(st)), a) for t, s, f, st, a in links),
+        kind=_KINDS.get(kind, SpanKind.INTERNAL),
+        status=_UNSET if code is StatusCode.UNSET else Status(code, status_description or None),
+        start_time=start_ns,
+        end_time=end_ns,
+        instrumentation_scope=_scope(scope_name, scope_version),
+    )
+    span._dropped_attributes = dropped_attributes
+    return span
+
+
+def check_span(packed: Any) -> tuple[Any, ...]:
+    """A span tuple from the channel, checked enough that building it cannot fail later."""
+    if not isinstance(packed, tuple) or len(packed) != len(SPAN_FIELDS):
+        raise ValueError("malformed span record")
+    if not isinstance(packed[SPAN_NAME], str) or not isinstance(packed[SPAN_TRACE_ID], int):
+        raise ValueError("malformed span record")
+    if not isinstance(packed[SPAN_START], int) or not isinstance(packed[SPAN_END], int):
+        raise ValueError("malformed span record")
+    if not isinstance(packed[SPAN_ATTRIBUTES], dict) or not isinstance(packed[SPAN_EVENTS], tuple):
+        raise ValueError("malformed span record")
+    return packed
+
+
+def replace_span(packed: tuple[Any, ...], **changes: Any) -> tuple[Any, ...]:
+    out = list(packed)
+    for key, value in changes.items():
+        out[SPAN_INDEX[key]] = value
+    return tuple(out)
+
+
+def plain(value: Any) -> Any:
+    """``value`` with subclasses of the plain types (IntEnum, TraceFlags, str enums) made plain, so that
+    ``marshal`` accepts it; anything it cannot hold becomes its ``str``."""
+    if value is None or type(value) in (str, int, float, bool, bytes):
+        return value
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, bytes):
+        return bytes(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(plain(v) for v in value)
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    return str(value)
