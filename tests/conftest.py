@@ -61,6 +61,27 @@ class Harness:
 
 
 @pytest.fixture
+def export_mode() -> str:
+    """Where the exporter's work runs: "process" (the default) or "thread". Test modules that must hold in
+    both modes override this fixture with a parametrized one (``both_modes`` below)."""
+    return "process"
+
+
+@pytest.fixture(autouse=True)
+def stagetrace_env(monkeypatch: pytest.MonkeyPatch, export_mode: str) -> None:
+    """Every test keeps all traces (``STAGETRACE_HEALTHY_SAMPLE=1``; the sampling tests lower it) and runs
+    the exporter where ``export_mode`` says."""
+    monkeypatch.setenv("STAGETRACE_HEALTHY_SAMPLE", "1.0")
+    monkeypatch.setenv("STAGETRACE_EXPORT_PROCESS", "on" if export_mode == "process" else "off")
+
+
+@pytest.fixture(params=["process", "thread"], name="export_mode")
+def both_modes(request: pytest.FixtureRequest) -> str:
+    """Import into a test module as ``export_mode = both_modes`` to run its tests in both modes."""
+    return request.param
+
+
+@pytest.fixture
 def harness() -> Iterator[Harness]:
     h = Harness()
     yield h

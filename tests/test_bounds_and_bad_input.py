@@ -11,9 +11,12 @@ import time
 import pytest
 
 import stagetrace
+from conftest import both_modes
 from stagetrace import conventions as c
 from stagetrace.capture.registry import TraceRegistry
 from stagetrace.settings import Settings
+
+export_mode = both_modes  # every test here runs with the exporter in a process and on a thread
 
 
 def dropped(h, reason):
@@ -22,7 +25,7 @@ def dropped(h, reason):
 
 def test_hundred_thousand_open_roots_are_capped_and_counted(make_harness, monkeypatch):
     monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "200000")  # the SDK's own export queue is not under test
-    h = make_harness(settings=Settings(max_traces_in_flight=1000))
+    h = make_harness(settings=Settings(max_traces_in_flight=1000, queue_size=200_000))
     tracer = h.tracer
     spans = [tracer.start_span(f"r{i}") for i in range(100_000)]
     registry = h.handle.runtime.registry
@@ -71,29 +74,29 @@ def test_stages_per_trace_are_capped(make_harness):
     assert dropped(h, "stages_per_trace") == 40
 
 
-def test_full_finalizer_queue_exports_the_root_unchanged(make_harness):
-    h = make_harness(settings=Settings(queue_size=1))
-    fin = h.handle.runtime.finalizer
-    fin._ensure_thread()
+def test_a_full_hand_off_queue_drops_and_counts_and_never_blocks(make_harness):
     import threading
 
+    h = make_harness(settings=Settings(queue_size=1))
+    shipper = h.handle.runtime.shipper
     gate = threading.Event()
-    original = fin._process_trace
+    original = shipper._pack_trace
 
-    def slow_process(*a):
-        gate.wait(5)
-        original(*a)
+    def stalled(*a):
+        gate.wait(5)  # the helper thread is stuck: the queue fills
+        return original(*a)
 
-    fin._process_trace = slow_process
+    shipper._pack_trace = stalled
+    t0 = time.monotonic()
     for _ in range(5):
         with stagetrace.pipeline("p"), stagetrace.stage("s"):
             pass
+    assert time.monotonic() - t0 < 1  # the requests did not wait for the stuck helper
     gate.set()
-    spans = h.spans()
-    roots = [s for s in spans if s.name == "p"]
-    assert len(roots) == 5  # nothing lost
-    assert sum(1 for r in roots if c.BOTTLENECK_STAGE in r.attributes) < 5
-    assert dropped(h, "finalizer_queue_full") >= 3
+    roots = [s for s in h.spans() if s.name == "p"]
+    lost = dropped(h, "handoff_queue_full")
+    assert lost >= 3
+    assert len(roots) == len(h.verdicts) == 5 - lost  # every trace not dropped is whole, with its verdict
 
 
 def test_stage_name_cardinality_is_capped_in_metrics(make_harness):
@@ -176,7 +179,7 @@ def test_internal_errors_never_reach_the_application(harness, monkeypatch):
         value = 42
     assert value == 42
     monkeypatch.undo()
-    monkeypatch.setattr(runtime.finalizer, "_process_trace", broken)
+    monkeypatch.setattr(runtime.shipper, "_pack_trace", broken)
     with stagetrace.pipeline("p2"), stagetrace.stage("s"):
         pass
     assert [s.name for s in harness.spans() if s.name == "p2"] == ["p2"]  # exported unchanged

@@ -12,7 +12,10 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, StatusCode, TraceFlags
 
 import stagetrace
+from conftest import both_modes
 from stagetrace import conventions as c
+
+export_mode = both_modes  # every test here runs with the exporter in a process and on a thread
 
 
 def test_decorated_and_nested_stages_become_children_of_the_pipeline(harness):
@@ -323,7 +326,7 @@ def test_a_usually_short_stage_that_runs_long_still_gets_cpu_and_blocked_time(ha
 def test_latency_histograms_carry_exemplars_pointing_at_the_trace(harness):
     with stagetrace.pipeline("p"), stagetrace.stage("decode"):
         time.sleep(0.002)
-    assert harness.handle.runtime.finalizer.flush(10)
+    assert harness.handle.runtime.shipper.flush(10)
     # Exemplars come with the first collection after the measurement (as a periodic exporter sends them):
     # collect exactly once, without the provider flush that would collect first.
     points = {

@@ -9,7 +9,10 @@ import time
 from collections import defaultdict
 
 import stagetrace
+from conftest import both_modes
 from stagetrace import conventions as c
+
+export_mode = both_modes  # every test here runs with the exporter in a process and on a thread
 
 
 def expected_stages(i: int) -> list[str]:

@@ -16,10 +16,13 @@ from hypothesis import strategies as st
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 import stagetrace
+from conftest import both_modes
 from stagetrace import conventions as c
 from stagetrace.report.loader import MalformedLine, read_traces, spans_from_line
 from stagetrace.settings import Settings
 from stagetrace.testing import OtlpReceiver
+
+export_mode = both_modes  # every test here runs with the exporter in a process and on a thread
 
 OTEL_VARS = [k for k in os.environ if k.startswith("OTEL_")]
 
@@ -58,7 +61,7 @@ def test_collector_down_verdicts_still_flow_and_shutdown_meets_its_deadline(monk
         "down", on_verdict=verdicts.append, set_global=False, settings=Settings(shutdown_timeout_s=1.0)
     )
     run_pipelines(50)
-    handle.runtime.finalizer.flush(10)
+    handle.force_flush(10)
     assert len(verdicts) == 50  # analysis does not depend on export
     t0 = time.monotonic()
     handle.shutdown()
@@ -108,7 +111,7 @@ def test_a_slow_collector_fills_the_export_queue_and_the_drops_are_counted(monke
             settings=Settings(shutdown_timeout_s=1.0),
         )
         run_pipelines(200)
-        handle.runtime.finalizer.flush(10)
+        handle.force_flush(10)
         assert len(verdicts) == 200  # nothing lost but spans the full export queue could not take
         data = reader.get_metrics_data()
         dropped = sum(

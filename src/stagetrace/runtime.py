@@ -55,12 +55,10 @@ class Runtime:
         if local_metrics:
             meter = meter_provider.get_meter(INSTRUMENTATION_NAME, __version__)
             app_metrics = StagetraceMetrics(meter, settings.max_stage_names)
-        flush_metrics = getattr(meter_provider, "force_flush", None)  # absent on the API's proxy provider
         self.local = LocalOutputs(
             spans=SpanForwarder(local, tracer_provider.resource, app_metrics.dropped) if local is not None else None,
             metrics=app_metrics,
             callbacks=on_verdict,
-            flush_metrics=(lambda t: bool(flush_metrics(int(t * 1000)))) if flush_metrics and local_metrics else None,
         )
         self.exporter_config = exporter_config
         self.gil_sampler = GilPressureSampler(settings.gil_sampler_period_s) if settings.gil_sampler_period_s else None

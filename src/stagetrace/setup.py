@@ -75,7 +75,9 @@ class StagetraceHandle:
         per request."""
         if self.runtime is None or self._shut:
             return True
-        return self.runtime.shipper.flush(timeout_s)
+        ok = self.runtime.shipper.flush(timeout_s)
+        flush_metrics = getattr(self.meter_provider, "force_flush", None)  # absent on the API's proxy provider
+        return bool(flush_metrics(int(timeout_s * 1000)) if flush_metrics else True) and ok
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         global _current_handle

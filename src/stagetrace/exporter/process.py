@@ -151,7 +151,7 @@ class Exporter:
         if readers:
             meter = self.meter_provider.get_meter("stagetrace", _version.__version__)
             own_metrics = StagetraceMetrics(meter, self.settings.max_stage_names)
-        forwarder = SpanForwarder(self.processor, self.resource, own_metrics.dropped) if self.processor else None
+        forwarder = SpanForwarder(self.processor, self.resource, self._dropped) if self.processor else None
         own = LocalOutputs(spans=forwarder, metrics=own_metrics, flush_metrics=self._flush_metrics)
         self.outputs = ReturningOutputs(
             own,
@@ -161,6 +161,9 @@ class Exporter:
             metrics=bool(config["return_metrics"]),
         )
         self.core = ExporterCore(self.settings, self.outputs)
+
+    def _dropped(self, reason: str, count: int) -> None:
+        self.outputs.metrics.dropped(reason, count)  # here and, when asked, in the application
 
     def _flush_metrics(self, timeout_s: float) -> bool:
         return bool(self.meter_provider.force_flush(int(timeout_s * 1000)))
@@ -257,9 +260,12 @@ def _handle_payload(payload: bytes, exporter: Exporter, sender: ResultSender) ->
         return
     for msg in batch:
         if isinstance(msg, tuple) and len(msg) == 3 and msg[0] == wire.FLUSH:
-            ok = core.flush(float(msg[2]))
+            # Results first: verdicts and metric events do not wait for a slow collector.
             exporter.outputs.send_metric_events()
             sender.queue((wire.ACK, core.handled))
+            sender.send()
+            ok = core.flush(float(msg[2]))
+            exporter.outputs.send_metric_events()
             sender.queue((wire.FLUSH, msg[1], ok))
             sender.send()
             continue

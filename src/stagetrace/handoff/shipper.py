@@ -284,6 +284,12 @@ class Shipper:
                 messages.append(self._pack_trace(*item))
         except Exception:
             report_internal_error("packing a trace")
+            if isinstance(item, tuple):  # the root alone, unchanged, rather than nothing
+                try:
+                    messages.append((wire.LONE_SPAN, wire.pack_span(item[1])))
+                    return
+                except Exception:
+                    report_internal_error("packing a root")
             self.app_metrics.dropped("unpackable")
 
     def _pack_trace(self, trace: TraceRecord, root: ReadableSpan) -> tuple[Any, ...]:
