@@ -53,6 +53,7 @@ class ExporterCore:
         self.handled = 0  # traces, stages and spans handled (acknowledged to the application)
         self.kept = 0
         self._slow_log = RateLimitedLog(per_interval=settings.slow_log_per_minute, interval_s=60.0)
+        self._malformed_log = RateLimitedLog(per_interval=5, interval_s=60.0)
         self._handlers = {
             wire.TRACE: self._trace,
             wire.LONE_STAGE: self._lone_stage,
@@ -74,6 +75,17 @@ class ExporterCore:
             raise
         except (ValueError, TypeError, IndexError, KeyError, AttributeError) as e:
             raise MalformedRecord(f"malformed {msg[0]!r} message: {e}") from e
+
+    def handle_or_count(self, msg: Any) -> None:
+        """``handle``, with a malformed message skipped, counted and logged (rate-limited)."""
+        try:
+            self.handle(msg)
+        except MalformedRecord as e:
+            self.skipped(str(e))
+
+    def skipped(self, reason: str, count: int = 1) -> None:
+        self.metrics.dropped("malformed_record", count)
+        self._malformed_log.log(logging.WARNING, "malformed", "stagetrace: skipped a malformed record: %s", reason)
 
     def flush(self, timeout_s: float) -> bool:
         return self.outputs.flush(timeout_s)

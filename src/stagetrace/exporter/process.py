@@ -35,7 +35,7 @@ from stagetrace.analysis import Verdict
 from stagetrace.export.env import metric_readers_from_env, span_exporters_from_env
 from stagetrace.export.files import JsonLinesSpanExporter
 from stagetrace.export.shutdown import shutdown_within
-from stagetrace.exporter.core import ExporterCore, MalformedRecord
+from stagetrace.exporter.core import ExporterCore
 from stagetrace.exporter.metrics import MetricsRecorder, MetricsSink, StagetraceMetrics, TeeMetrics
 from stagetrace.exporter.outputs import LocalOutputs, NoMetrics, SpanForwarder
 from stagetrace.handoff import wire
@@ -194,10 +194,12 @@ def _read_config(fd: int, reader: FrameReader) -> dict[str, Any]:
         data = os.read(fd, 1 << 16)
         if not data:
             raise SystemExit(0)  # the application went away before configuring us
-        for payload in reader.feed(data):
-            kind, config = marshal.loads(payload)
+        payloads = reader.feed(data)
+        if payloads:
+            kind, config = marshal.loads(payloads[0])
             if kind != wire.CONFIG:
                 raise SystemExit("stagetrace exporter: the first message must be the configuration")
+            config["_early_batches"] = payloads[1:]  # batches that arrived with the configuration
             return config
 
 
@@ -216,6 +218,8 @@ def serve(in_fd: int, out_fd: int) -> int:
     logger.setLevel(logging.INFO)
     exporter = Exporter(config, sender)
     core = exporter.core
+    for payload in config.pop("_early_batches", ()):
+        _handle_payload(payload, exporter, sender)
     malformed_seen = 0
     last_ack, acked = 0.0, -1
     try:
@@ -228,7 +232,7 @@ def serve(in_fd: int, out_fd: int) -> int:
                 for payload in reader.feed(data):
                     _handle_payload(payload, exporter, sender)
             if reader.malformed != malformed_seen:
-                core.metrics.dropped("malformed_record", reader.malformed - malformed_seen)
+                core.skipped("bad frame", reader.malformed - malformed_seen)
                 malformed_seen = reader.malformed
             now = time.monotonic()
             if core.handled != acked and now - last_ack >= ACK_INTERVAL_S:
@@ -240,7 +244,7 @@ def serve(in_fd: int, out_fd: int) -> int:
                 break
     finally:
         if reader.close() != malformed_seen:
-            core.metrics.dropped("malformed_record", reader.malformed - malformed_seen)
+            core.skipped("truncated frame at end of input", reader.malformed - malformed_seen)
         exporter.shutdown()
         sender.queue((wire.ACK, core.handled))
         exporter.outputs.send_metric_events()
@@ -255,8 +259,8 @@ def _handle_payload(payload: bytes, exporter: Exporter, sender: ResultSender) ->
         batch = marshal.loads(payload)
         if not isinstance(batch, list):
             raise ValueError("a batch is a list")
-    except (ValueError, EOFError, TypeError):
-        core.metrics.dropped("malformed_record")
+    except (ValueError, EOFError, TypeError) as e:
+        core.skipped(f"undecodable batch ({e})")
         return
     for msg in batch:
         if isinstance(msg, tuple) and len(msg) == 3 and msg[0] == wire.FLUSH:
@@ -269,10 +273,7 @@ def _handle_payload(payload: bytes, exporter: Exporter, sender: ResultSender) ->
             sender.queue((wire.FLUSH, msg[1], ok))
             sender.send()
             continue
-        try:
-            core.handle(msg)
-        except MalformedRecord:
-            core.metrics.dropped("malformed_record")
+        core.handle_or_count(msg)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,7 +15,6 @@ import fcntl
 import os
 import struct
 import zlib
-from collections.abc import Iterator
 
 MAGIC = b"STG1"
 _HEADER = struct.Struct("<4sII")
@@ -40,7 +39,10 @@ class FrameReader:
     def pending(self) -> int:
         return len(self._buf)
 
-    def feed(self, data: bytes) -> Iterator[bytes]:
+    def feed(self, data: bytes) -> list[bytes]:
+        """Whole payloads completed by ``data`` (a list, so that the buffer is consumed even when the
+        caller stops early)."""
+        out: list[bytes] = []
         buf = self._buf
         buf += data
         pos = 0
@@ -61,8 +63,9 @@ class FrameReader:
                 pos = self._resync(buf, pos + 1)
                 continue
             pos = end
-            yield payload
+            out.append(payload)
         del buf[:pos]
+        return out
 
     @staticmethod
     def _resync(buf: bytearray, start: int) -> int:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stagetrace._safety import logger, report_internal_error, warn_once
-from stagetrace.exporter.core import ExporterCore, MalformedRecord
+from stagetrace.exporter.core import ExporterCore
 from stagetrace.exporter.metrics import MetricsRecorder, replay
 from stagetrace.exporter.outputs import LocalOutputs
 from stagetrace.handoff import wire
@@ -64,10 +64,7 @@ class InlineTransport:
             if msg[0] == wire.FLUSH:
                 self.shipper.flushed(msg[1], self.core.flush(msg[2]))
                 continue
-            try:
-                self.core.handle(msg)
-            except MalformedRecord:
-                self.core.metrics.dropped("malformed_record")
+            self.core.handle_or_count(msg)
 
     def poll(self) -> None:
         return None

@@ -37,7 +37,10 @@ def build_app(out_dir: str) -> Any:
     reader = InMemoryMetricReader()
     verdicts = [0]
     stagetrace.configure(
-        "load-test", metric_reader=reader, on_verdict=lambda v: verdicts.__setitem__(0, verdicts[0] + 1)
+        "load-test",
+        metric_reader=reader,
+        on_verdict=lambda v: verdicts.__setitem__(0, verdicts[0] + 1),
+        settings=stagetrace.Settings(healthy_sample=1.0),  # the harness checks that every request has its trace
     )
     app = FastAPI()
 
