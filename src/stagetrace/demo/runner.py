@@ -126,6 +126,9 @@ def run_demo(
         slow_threshold_ms=slow_threshold_ms,
         on_verdict=on_verdict,
         traces_path=None if env_exporter else traces_path,
+        # Every trace kept, so that the report written from them covers every request (the production
+        # default keeps slow, diagnosed and errored traces and 10 % of the rest).
+        settings=stagetrace.Settings(healthy_sample=1.0),
     )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     app = pipelines.build_app(device)
