@@ -116,6 +116,9 @@ class ProcessTransport:
                 pass_fds=(to_exporter_r, results_w),
                 stdin=subprocess.DEVNULL,
                 close_fds=True,
+                # Its own session: a terminal's Ctrl-C reaches the application, which then shuts down
+                # and flushes, not the exporter half-way. It still ends with the application.
+                start_new_session=True,
             )
         except OSError:
             for fd in (to_exporter_r, to_exporter_w, results_r, results_w):
@@ -245,6 +248,7 @@ class ProcessTransport:
             self._shipped += data - lost
             return
         if writer.broken:
+            self._shipped += data - lost  # this batch went down with the exporter: count it as in flight
             self._died()
             return
         # The channel is full (the exporter is behind): the traces are dropped and counted, the control
