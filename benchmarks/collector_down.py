@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                 handle, reader = _configure(port)
                 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                 cpu[name].append(_pipelines(args.pipelines) / args.pipelines / 1000)
-                handle.runtime.finalizer.flush(30)
+                handle.runtime.shipper.flush(30)
                 rss[name] = max(
                     rss.get(name, 0.0), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
                 )

@@ -5,11 +5,12 @@
 (a) the classic dict profiler: two perf_counter_ns calls and a dict store per stage;
 (b) one OpenTelemetry SDK span per stage (start_as_current_span) with BatchSpanProcessor and a no-op exporter;
 (c) stagetrace's hot path: `with stagetrace.stage(...)` on the request thread (thread CPU time);
-(d) stagetrace's total CPU per stage over all threads: hot path, finalizer (analysis, span materialisation,
-    metrics) and OTLP protobuf encoding of the stage span by the export thread (process CPU time).
+(d) stagetrace's total CPU per stage over all processes: the hot path and the helper thread in this process,
+    plus the exporter process (analysis, verdict, metrics, span building, OTLP encoding and sending of the
+    kept traces to a local sink that drops them), default sampling; /proc/<pid>/stat, 10 ms ticks.
 Each is the median over interleaved rounds of (time with K stages - time with 0 stages) / (pipelines * K),
-so the per-pipeline root cost is subtracted. Targets: (c) <= 0.2 x (b); (d) <= (b) + the SDK's own OTLP
-encoding of one span. Timings are CPU time, which is steadier than wall time on a shared VM.
+so the per-pipeline root cost is subtracted. Targets: (c) <= 0.1 x (b); (d) <= 0.5 x (b). Timings are
+CPU time, which is steadier than wall time on a shared VM.
 """
 
 from __future__ import annotations
@@ -34,14 +35,6 @@ import stagetrace
 
 class NoopExporter(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        return SpanExportResult.SUCCESS
-
-
-class EncodingExporter(SpanExporter):
-    """Does what an OTLP exporter does to a batch, minus the network: protobuf encode and serialise."""
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        encode_spans(spans).SerializeToString()
         return SpanExportResult.SUCCESS
 
 
@@ -120,7 +113,23 @@ def main(argv: list[str] | None = None) -> int:
     sdk_tp.add_span_processor(sdk_bsp)
     sdk_body = make_sdk_body(sdk_tp.get_tracer("bench"))
 
-    handle = stagetrace.configure("bench", span_exporter=EncodingExporter(), set_global=False)
+    import subprocess
+
+    from e2e import _free_port
+    from proctree import process_cpu_s, tree_cpu_s
+
+    from stagetrace.testing.load import wait_for_port
+
+    sink_port = _free_port()
+    here = os.path.dirname(os.path.abspath(__file__))
+    sink = subprocess.Popen([sys.executable, os.path.join(here, "e2e.py"), "sink", str(sink_port)])
+    wait_for_port(sink_port, sink, timeout_s=30)
+    os.environ.update(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{sink_port}", OTEL_METRICS_EXPORTER="none")
+    handle = stagetrace.configure("bench", set_global=False)
+
+    def all_processes_ns() -> int:
+        """This process and the exporter process, not the sink."""
+        return int((tree_cpu_s(os.getpid()) - process_cpu_s(sink.pid)) * 1e9)
 
     def no_settle() -> None:
         pass
@@ -141,17 +150,18 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             handle.runtime.cpu_signals = cpu_signals
 
-    thread_cpu, process_cpu = time.thread_time_ns, time.process_time_ns
+    thread_cpu = time.thread_time_ns
     for _ in range(args.rounds):
         results["a"].append(per_stage_us(thread_cpu, classic, p, k, no_settle))
         results["b"].append(per_stage_us(thread_cpu, sdk_body, p, k, sdk_settle))
         results["c"].append(per_stage_us(thread_cpu, stagetrace_body, p, k, no_settle))
         results["c0"].append(per_stage_us(thread_cpu, without_cpu_accounting, p, k, no_settle))
         st_settle()
-        results["d"].append(per_stage_us(process_cpu, stagetrace_body, p, k, st_settle))
+        results["d"].append(per_stage_us(all_processes_ns, stagetrace_body, p, k, st_settle))
     encode = statistics.median(encode_one_span_us() for _ in range(3))
     handle.shutdown()
     sdk_tp.shutdown()
+    sink.terminate()
 
     med = {key: statistics.median(v) for key, v in results.items()}
     b = med["b"]
@@ -160,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         ("b", "OTel SDK span + BatchSpanProcessor, no-op exporter (request thread)", b),
         ("c", "stagetrace hot path (request thread), CPU accounting on (default)", med["c"]),
         ("c0", "stagetrace hot path, timestamps only (Settings(cpu_signals=False))", med["c0"]),
-        ("d", "stagetrace total, all threads, incl. finalizer + OTLP encoding", med["d"]),
+        ("d", "stagetrace total, all processes (exporter: verdict, metrics, export)", med["d"]),
         ("", "SDK OTLP protobuf encoding of one span (reference)", encode),
     ]
     print(
@@ -170,11 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'':3} {'variant':68} {'us/stage':>9} {'x (b)':>7}")
     for key, label, us in rows:
         print(f"{key:3} {label:68} {us:9.2f} {us / b:7.3f}")
-    d_ok = med["d"] <= b + encode
     for key in ("c", "c0"):
-        verdict = "PASS" if med[key] <= 0.2 * b else "FAIL"
-        print(f"target ({key}) <= 0.2 x (b): {verdict} ({med[key] / b:.3f} x)")
-    print(f"target (d) <= (b) + encode: {'PASS' if d_ok else 'FAIL'} ({med['d']:.1f} <= {b + encode:.1f} us)")
+        verdict = "PASS" if med[key] <= 0.1 * b else "FAIL"
+        print(f"target ({key}) <= 0.1 x (b): {verdict} ({med[key] / b:.3f} x)")
+    print(f"target (d) <= 0.5 x (b): {'PASS' if med['d'] <= 0.5 * b else 'FAIL'} ({med['d'] / b:.3f} x)")
     return 0
 
 

@@ -61,7 +61,7 @@ def test_collector_down_verdicts_still_flow_and_shutdown_meets_its_deadline(monk
         "down", on_verdict=verdicts.append, set_global=False, settings=Settings(shutdown_timeout_s=1.0)
     )
     run_pipelines(50)
-    handle.force_flush(10)
+    handle.force_flush(1)  # the export part cannot succeed; the verdicts arrive before it is tried
     assert len(verdicts) == 50  # analysis does not depend on export
     t0 = time.monotonic()
     handle.shutdown()
