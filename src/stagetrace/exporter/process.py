@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, SynchronousMultiSpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
@@ -130,7 +129,7 @@ class Exporter:
 
     def __init__(self, config: dict[str, Any], sender: ResultSender) -> None:
         self.settings = Settings.from_dict(config["settings"])
-        self.resource = Resource(dict(config["resource"]))
+        self.resource = wire.StableResource(dict(config["resource"]))
         self.exporters: list[SpanExporter] = []
         if config["spans"] == "env":
             self.exporters = span_exporters_from_env() or []
