@@ -218,12 +218,22 @@ def test_frame_reader_resynchronises_after_garbage_and_reports_truncation():
 # --- local tail sampling -------------------------------------------------------------------------------
 
 
-def test_healthy_traces_are_sampled_but_metrics_see_every_request(make_harness, monkeypatch):
+@pytest.fixture
+def no_healthy_traces(make_harness, monkeypatch):
+    """Healthy traces are not exported (share 0); traces over 20 ms are slow."""
     monkeypatch.setenv("STAGETRACE_HEALTHY_SAMPLE", "0")
-    h = make_harness(slow_threshold_ms=20)
-    run_pipelines(30, "healthy")
+    return make_harness(slow_threshold_ms=20)
+
+
+def run_healthy_then_slow(healthy: int) -> None:
+    run_pipelines(healthy, "healthy")
     with stagetrace.pipeline("slow"), stagetrace.stage("work"):
         time.sleep(0.03)
+
+
+def test_healthy_traces_are_sampled_but_metrics_see_every_request(no_healthy_traces):
+    h = no_healthy_traces
+    run_healthy_then_slow(30)
     with pytest.raises(RuntimeError), stagetrace.pipeline("errored"), stagetrace.stage("work"):
         raise RuntimeError("boom")
     with stagetrace.pipeline("diagnosed"):
@@ -239,12 +249,9 @@ def test_healthy_traces_are_sampled_but_metrics_see_every_request(make_harness, 
     assert len(h.verdicts) == 33
 
 
-def test_exemplars_point_only_at_kept_traces(make_harness, monkeypatch):
-    monkeypatch.setenv("STAGETRACE_HEALTHY_SAMPLE", "0")
-    h = make_harness(slow_threshold_ms=20)
-    run_pipelines(5, "healthy")
-    with stagetrace.pipeline("slow"), stagetrace.stage("work"):
-        time.sleep(0.03)
+def test_exemplars_point_only_at_kept_traces(no_healthy_traces):
+    h = no_healthy_traces
+    run_healthy_then_slow(5)
     assert h.handle.runtime.shipper.flush(10)
     points = [
         p
@@ -259,9 +266,8 @@ def test_exemplars_point_only_at_kept_traces(make_harness, monkeypatch):
     assert exemplar_ids and exemplar_ids <= kept
 
 
-def test_spans_after_the_root_follow_their_traces_decision(make_harness, monkeypatch):
-    monkeypatch.setenv("STAGETRACE_HEALTHY_SAMPLE", "0")
-    h = make_harness(slow_threshold_ms=20)
+def test_spans_after_the_root_follow_their_traces_decision(no_healthy_traces):
+    h = no_healthy_traces
     from opentelemetry import context
 
     for name, pause in (("healthy", 0), ("slow", 0.03)):

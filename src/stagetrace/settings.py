@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,18 +28,23 @@ def export_process_from_env() -> bool:
     raise ValueError(f"STAGETRACE_EXPORT_PROCESS must be on or off, got {raw!r}")
 
 
-def healthy_sample_from_env(default: float = 0.1) -> float:
-    """``STAGETRACE_HEALTHY_SAMPLE``: the share of healthy traces exported in full (0..1)."""
-    raw = os.environ.get("STAGETRACE_HEALTHY_SAMPLE")
+def _number_from_env(name: str, default: float, describe: str, valid: Callable[[float], bool]) -> float:
+    """A number from the environment, or a clear error naming the variable and what it must be."""
+    raw = os.environ.get(name)
     if raw is None or not raw.strip():
         return default
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"STAGETRACE_HEALTHY_SAMPLE must be a number between 0 and 1, got {raw!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"STAGETRACE_HEALTHY_SAMPLE must be between 0 and 1, got {raw!r}")
+        raise ValueError(f"{name} must be {describe}, got {raw!r}") from None
+    if not valid(value):
+        raise ValueError(f"{name} must be {describe}, got {raw!r}")
     return value
+
+
+def healthy_sample_from_env(default: float = 0.1) -> float:
+    """``STAGETRACE_HEALTHY_SAMPLE``: the share of healthy traces exported in full (0..1)."""
+    return _number_from_env("STAGETRACE_HEALTHY_SAMPLE", default, "a number between 0 and 1", lambda v: 0 <= v <= 1)
 
 
 @dataclass
@@ -100,13 +106,4 @@ class Settings:
 
 
 def slow_threshold_from_env(default: float = DEFAULT_SLOW_THRESHOLD_MS) -> float:
-    raw = os.environ.get("STAGETRACE_SLOW_THRESHOLD_MS")
-    if raw is None or not raw.strip():
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"STAGETRACE_SLOW_THRESHOLD_MS must be a number of milliseconds, got {raw!r}") from None
-    if not value > 0:
-        raise ValueError(f"STAGETRACE_SLOW_THRESHOLD_MS must be > 0, got {raw!r}")
-    return value
+    return _number_from_env("STAGETRACE_SLOW_THRESHOLD_MS", default, "a number of milliseconds > 0", lambda v: v > 0)
