@@ -29,6 +29,7 @@ from stagetrace.handoff import wire
 from stagetrace.settings import Settings
 
 DATA_KINDS = frozenset({wire.TRACE, wire.LONE_STAGE, wire.LONE_SPAN})
+FLUSH_POLL_S = 0.002
 
 
 class Transport(Protocol):
@@ -187,7 +188,9 @@ class Shipper:
     def _run(self) -> None:
         poll = self.settings.poll_interval_s
         while True:
-            if self._items or self._parked:
+            if self._sent_flushes:
+                self._wake.wait(FLUSH_POLL_S)  # someone waits for the answer: look for it often
+            elif self._items or self._parked:
                 self._wake.wait(poll)
             else:
                 self._sleeping = True
