@@ -1,4 +1,4 @@
-"""Pure analysis: DESIGN's "Analysis semantics", one behaviour per test."""
+"""Pure analysis: the README's "Analysis semantics", one behaviour per test."""
 
 from __future__ import annotations
 

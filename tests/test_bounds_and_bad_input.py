@@ -1,4 +1,4 @@
-"""Bounded memory (principle 4) and bad input (clear error or contained, never a crash later)."""
+"""Bounded memory and bad input (clear error or contained, never a crash later)."""
 
 from __future__ import annotations
 
@@ -51,10 +51,10 @@ def test_roots_that_never_end_are_evicted_after_the_ttl():
     assert len(reg) == 0
 
 
-def test_finalizer_evicts_leaked_roots_on_its_sweep(make_harness):
+def test_leaked_roots_are_evicted_on_the_helpers_sweep(make_harness):
     h = make_harness(settings=Settings(trace_ttl_s=0.05, sweep_interval_s=0.02))
     leaked = h.tracer.start_span("leaked")  # never ended
-    with stagetrace.pipeline("p"):  # starts the finalizer thread
+    with stagetrace.pipeline("p"):  # the helper thread sweeps
         pass
     deadline = time.monotonic() + 5
     while len(h.handle.runtime.registry) and time.monotonic() < deadline:

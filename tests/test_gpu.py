@@ -31,7 +31,7 @@ def gpu_world(make_harness):
 
 
 def wait_for_sampler(support, timeout_s: float = 5) -> None:
-    """NVML starts on the finalizer thread after the first GPU stage."""
+    """NVML starts on the helper thread after the first GPU stage."""
     deadline = time.monotonic() + timeout_s
     while not support.samplers and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -133,7 +133,7 @@ def test_no_event_is_queried_during_a_cuda_graph_capture(gpu_world):
         with stagetrace.gpu_stage("infer"):
             fake_model(x, ms=30)
     graph = support.backend.Graph()
-    graph.capture_begin()  # another thread captures while the finalizer has events to read
+    graph.capture_begin()  # another thread captures while the helper thread has events to read
     assert support.guard.capturing
     time.sleep(0.1)
     assert h.verdicts == []  # parked, not queried

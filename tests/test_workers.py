@@ -1,4 +1,4 @@
-"""Multi-process servers: every worker has a working finalizer, samplers and exporter, and no verdict is
+"""Multi-process servers: every worker has its own exporter process, samplers and export, and no verdict is
 lost or duplicated (uvicorn --workers, gunicorn with UvicornWorker, with and without --preload)."""
 
 from __future__ import annotations

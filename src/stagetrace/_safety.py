@@ -1,4 +1,4 @@
-"""Containment: no exception from stagetrace's own code may reach the application (principle 3)."""
+"""Containment: no exception from stagetrace's own code may reach the application."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ _warned_lock = threading.Lock()
 
 
 def warn_once(key: str, msg: str, *args: Any) -> None:
-    """One warning per process for a feature that switched itself off (principle 3)."""
+    """One warning per process for a feature that switched itself off."""
     with _warned_lock:
         if key in _warned:
             return

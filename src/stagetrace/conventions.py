@@ -1,5 +1,5 @@
 """Attribute, metric and event names: the contract that dashboards, collector configs and users' queries
-rely on (DESIGN.md, "Contract"). Change a name here only with a deprecation path."""
+rely on (the README's attribute and metric reference). Change a name here only with a deprecation path."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ DIAGNOSIS_CODE = "code"
 DROP_REASON = "reason"
 HW_ID = "hw.id"
 
-# Stage kinds, in the order DESIGN lists them.
+# Stage kinds, in pipeline order.
 STAGE_KINDS = ("cpu", "io", "wait", "h2d", "gpu", "d2h")
 GPU_KINDS = frozenset({"h2d", "gpu", "d2h"})
 

@@ -69,7 +69,7 @@ class InferencePipelineProfiler:
             "is_slow_request": analysis.slow,
         }
         if analysis.slow and _state.runtime is None:
-            # Configured runs log through the finalizer; keep the classic warning otherwise.
+            # Configured runs log through the exporter; keep the classic warning otherwise.
             logger.warning(
                 "slow request %.1f ms > %.0f ms; bottleneck %s %.1f%%%s",
                 analysis.total_ms,

@@ -1,4 +1,4 @@
-"""Every tunable number in one place, with the bounds that keep memory flat (principle 4)."""
+"""Every tunable number in one place, with the bounds that keep memory flat."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Pure analysis: stage samples in, breakdown / bottleneck / diagnoses out. No I/O, no threads, no clocks,
-so the in-process finalizer and `stagetrace report` share one implementation and tests need no fixtures."""
+so the exporter and `stagetrace report` share one implementation and tests need no fixtures."""
 
 from stagetrace.analysis.breakdown import TraceAnalysis, analyse_trace, union_length_ns
 from stagetrace.analysis.diagnosis import (

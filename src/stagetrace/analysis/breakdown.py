@@ -1,4 +1,4 @@
-"""Per-trace breakdown, bottleneck and slow flag (DESIGN.md, "Analysis semantics")."""
+"""Per-trace breakdown, bottleneck and slow flag (the README's "Analysis semantics")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Diagnosis rules (DESIGN.md, "Diagnosis rules"): a trace's analysis and signals in, codes with a message
+"""Diagnosis rules (the README's table): a trace's analysis and signals in, codes with a message
 and advice out. Each rule is a small pure function so that it can be tested, tuned and explained alone."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class DiagnosisThresholds:
 
 @dataclass(frozen=True, slots=True)
 class TraceSignals:
-    """Process-level signals over the trace's time window, joined in by the finalizer (None: not measured)."""
+    """Process-level signals over the trace's time window, joined in by the exporter (None: not measured)."""
 
     gpu_utilization: float | None = None
     gil_pressure_ms: float | None = None

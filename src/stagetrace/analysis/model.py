@@ -1,4 +1,4 @@
-"""Plain data shared by the analysis, the finalizer and the report."""
+"""Plain data shared by the analysis, the exporter and the report."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ if TYPE_CHECKING:
 class StageSample:
     """One finished occurrence of a stage.
 
-    The analysis reads these fields by name, so the in-process finalizer passes its ``StageRecord``s
-    directly (same names, perf-counter time base) and the report builds these from exported spans (epoch
+    The analysis reads these fields by name, so the exporter passes its ``ShippedStage``s directly
+    (same names, perf-counter time base) and the report builds these from exported spans (epoch
     time base); only consistency within one trace matters.
 
     ``parent_stage_id`` is the span id of the nearest enclosing *stage* (not any span), so that exclusive
     time is right even when another instrumentation's span sits between two stages. Not frozen: one is
-    built per stage on the finalizer, and a frozen dataclass's __init__ costs several times more.
+    built per stage, and a frozen dataclass's __init__ costs several times more.
     """
 
     name: str

@@ -1,2 +1,2 @@
-"""Hot-path capture: what runs on the request thread. Only timestamps and ids here (principle 1); spans are
+"""Hot-path capture: what runs on the request thread. Only timestamps and ids here; spans are
 built later by the exporter."""

@@ -1,4 +1,4 @@
-"""Traces in flight: trace id -> TraceRecord, bounded in count and age (principle 4)."""
+"""Traces in flight: trace id -> TraceRecord, bounded in count and age."""
 
 from __future__ import annotations
 

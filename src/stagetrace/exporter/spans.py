@@ -146,9 +146,3 @@ def root_with_verdict(root: tuple[Any, ...], verdict: Verdict, keep_query_string
     attributes.update(verdict_attributes(verdict))
     events = tuple(root[wire.SPAN_EVENTS]) + diagnosis_events(verdict, root[wire.SPAN_END])
     return wire.replace_span(root, attributes=attributes, events=events)
-
-
-def without_query_strings(span: tuple[Any, ...]) -> tuple[Any, ...]:
-    attributes = dict(span[wire.SPAN_ATTRIBUTES])
-    strip_query_strings(attributes)
-    return wire.replace_span(span, attributes=attributes)

@@ -8,7 +8,7 @@ from typing import Any
 
 
 class TorchCudaBackend:
-    """Never initialises CUDA: ``usable()`` is true only once the application itself has (principle 2)."""
+    """Never initialises CUDA: ``usable()`` is true only once the application itself has."""
 
     def __init__(self) -> None:
         self._usable = False

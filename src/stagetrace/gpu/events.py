@@ -1,7 +1,7 @@
-"""CUDA-event timing that never synchronises (principle 2).
+"""CUDA-event timing that never synchronises.
 
 Events come from a per-device pool and are recorded on the stage's stream on the request thread. Only the
-finalizer reads them, and only after ``query()`` says they completed; ``elapsed_time`` is never called on an
+helper thread reads them, and only after ``query()`` says they completed; ``elapsed_time`` is never called on an
 incomplete event. Wall-clock placement comes from calibration anchors: an event recorded on an idle side
 stream whose completion the helper thread observes, so ``t(E) = t(anchor) + anchor.elapsed_time(E)``.
 """

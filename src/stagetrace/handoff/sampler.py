@@ -1,5 +1,5 @@
 """Sampling that keeps metrics whole: a local root the wrapped sampler would drop is recorded but not
-exported (RECORD_ONLY), so the finalizer still sees the request and records its metrics (principle 7).
+exported (RECORD_ONLY), so the exporter still sees the request and records its metrics.
 Only local roots are promoted; their children follow the parent-based decision, so this costs one
 recording span per unsampled request, not one per span."""
 

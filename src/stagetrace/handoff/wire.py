@@ -184,9 +184,6 @@ class StableResource(Resource):
     def __hash__(self) -> int:
         return self._hash
 
-    def __eq__(self, other: object) -> bool:
-        return super().__eq__(other)
-
 
 _scopes: dict[tuple[str, str], InstrumentationScope] = {}
 _KINDS = {k.value: k for k in SpanKind}

@@ -3,7 +3,7 @@
 A trace whose only verdict sits on its global root keeps that verdict (what the process computed, GPU
 timing and signals included). Otherwise (no verdict at all, or several services each with a local verdict)
 the verdict is computed over the whole trace from its global root, with the same analysis and rules the
-in-process finalizer uses.
+exporter uses.
 """
 
 from __future__ import annotations
