@@ -23,6 +23,7 @@ def dropped(h, reason):
     return sum(p.value for p in h.metric_points(c.METRIC_DROPPED) if p.attributes[c.DROP_REASON] == reason)
 
 
+@pytest.mark.slow
 def test_hundred_thousand_open_roots_are_capped_and_counted(make_harness, monkeypatch):
     monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "200000")  # the SDK's own export queue is not under test
     h = make_harness(settings=Settings(max_traces_in_flight=1000, queue_size=200_000))

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def stagetrace_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
@@ -21,6 +23,7 @@ def stagetrace_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_demo_runs_and_report_reads_what_it_wrote(tmp_path):
     out_dir = tmp_path / "out"
     demo = stagetrace_cli("demo", "--requests", "24", "--concurrency", "4", "--out", str(out_dir), cwd=tmp_path)
@@ -46,6 +49,7 @@ def test_demo_runs_and_report_reads_what_it_wrote(tmp_path):
     assert sum(doc["bottlenecks"].values()) == 24
 
 
+@pytest.mark.slow
 def test_demo_optimized_prints_before_and_after_for_the_text_pipeline(tmp_path):
     demo = stagetrace_cli(
         "demo",

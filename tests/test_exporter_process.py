@@ -118,6 +118,7 @@ def test_a_killed_exporter_is_restarted_and_every_trace_is_either_analysed_or_co
     assert alive(h.handle.exporter_pid) and not alive(first)
 
 
+@pytest.mark.slow
 def test_the_exporter_ends_with_its_application(tmp_path):
     """A crashed application (SIGKILL: no atexit, no shutdown) leaves no orphaned exporter behind."""
     code = textwrap.dedent(
@@ -297,6 +298,7 @@ def test_the_healthy_share_is_a_deterministic_function_of_the_trace_id():
     assert all(in_healthy_share(t, 1.0) for t in ids[:10]) and not any(in_healthy_share(t, 0.0) for t in ids[:10])
 
 
+@pytest.mark.slow
 def test_the_default_keeps_a_tenth_of_healthy_traces(tmp_path):
     code = textwrap.dedent(
         """

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from stagetrace.testing import load
 
 
+@pytest.mark.slow
 def test_under_concurrent_load_no_verdict_is_lost_or_mixed_and_nothing_is_dropped(tmp_path):
     result = load.run(duration_s=5, concurrency=200, out_dir=tmp_path, max_requests=3000)
     ok, errors = result["sent"]["ok"], result["sent"]["errors"]

@@ -54,6 +54,7 @@ def run_pipelines(n: int, tag: str = "r") -> None:
             pass
 
 
+@pytest.mark.slow
 def test_collector_down_verdicts_still_flow_and_shutdown_meets_its_deadline(monkeypatch):
     grpc_to(monkeypatch, reserved_port(), timeout_s=30)  # the exporter alone would retry for 30 s
     verdicts = []
@@ -68,6 +69,7 @@ def test_collector_down_verdicts_still_flow_and_shutdown_meets_its_deadline(monk
     assert time.monotonic() - t0 < 15  # bounded by the deadline, not by the exporter's retries
 
 
+@pytest.mark.slow
 def test_export_resumes_when_the_collector_comes_back(monkeypatch):
     port = reserved_port()
     grpc_to(monkeypatch, port, timeout_s=1)
@@ -95,6 +97,7 @@ def test_export_resumes_when_the_collector_comes_back(monkeypatch):
             receiver.stop()
 
 
+@pytest.mark.slow
 def test_a_slow_collector_fills_the_export_queue_and_the_drops_are_counted(monkeypatch):
     receiver = OtlpReceiver(export_delay_s=2.0).start()
     try:

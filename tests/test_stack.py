@@ -185,6 +185,7 @@ def _get(url: str) -> dict:
         return json.loads(resp.read())
 
 
+@pytest.mark.slow
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
     """A stagetrace-instrumented app serves traffic and exposes its metrics; a real Prometheus scrapes it
     (what the Collector's prometheus exporter does in the stack); every dashboard query must return data."""

@@ -44,6 +44,7 @@ COMMANDS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("server", list(COMMANDS))
 def test_every_worker_exports_its_own_verdicts_exactly_once(server, tmp_path):
     port = _free_port()

@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from stagetrace import conventions as c
 
 APP = textwrap.dedent(
@@ -82,6 +84,7 @@ def test_with_a_users_distro_stagetrace_attaches_to_its_provider(tmp_path, otlp_
     assert {d.parent_span_id for d in decodes} == {r.span_id for r in roots}
 
 
+@pytest.mark.slow
 def test_without_an_sdk_stagetrace_configures_itself(tmp_path):
     out_dir = tmp_path / "out"
     run_instrumented(
