@@ -156,7 +156,7 @@ def test_ctrl_c_in_a_terminal_does_not_kill_the_exporter_before_the_application_
 
 
 def test_a_full_channel_drops_and_counts_and_never_blocks_the_request(make_harness):
-    h = make_harness(settings=Settings(channel_buffer_bytes=4096))
+    h = make_harness(settings=Settings(channel_buffer_bytes=2**20))  # a trace of 80 KB fits; 200 do not
     run_pipelines(1)
     h.flush()
     pid = h.handle.exporter_pid

@@ -93,7 +93,8 @@ def make_pipe(size_bytes: int = 2**20) -> tuple[int, int]:
 
 class NonBlockingWriter:
     """Writes frames without ever blocking the caller: what the pipe cannot take now waits in a buffer of
-    at most ``max_pending`` bytes, and a frame that would overflow it is refused (the caller counts it)."""
+    at most ``max_pending`` bytes, and a frame that would overflow it is refused whole (the caller counts
+    it). Small control frames may be forced past the bound."""
 
     def __init__(self, fd: int, max_pending: int) -> None:
         self.fd = fd
@@ -111,7 +112,7 @@ class NonBlockingWriter:
         ``force`` accepts a small control frame even past the bound."""
         if self.broken:
             return False
-        if not force and self._pending and len(self._pending) + len(frame) > self.max_pending:
+        if not force and len(self._pending) + len(frame) > self.max_pending:
             self.pump()
             if len(self._pending) + len(frame) > self.max_pending:
                 return False

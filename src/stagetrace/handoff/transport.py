@@ -31,6 +31,8 @@ from stagetrace.handoff.channel import FrameReader, NonBlockingWriter, encode_fr
 from stagetrace.handoff.shipper import DATA_KINDS, Shipper
 from stagetrace.settings import Settings
 
+RECORDS_PER_FRAME = 32  # so that a burst is accepted or refused in pieces, within the channel's bound
+
 
 def encode_batch(messages: list[tuple[Any, ...]]) -> tuple[bytes, int]:
     """``marshal`` (C, no code on decode) of the batch; a message holding a value marshal cannot take (an
@@ -236,27 +238,41 @@ class ProcessTransport:
             except Exception:
                 report_internal_error("exporter start")
                 self._gave_up = True
-        data = sum(1 for m in messages if m[0] in DATA_KINDS)
+        data = [m for m in messages if m[0] in DATA_KINDS]
         writer = self._writer
         if writer is None or self._gave_up:
-            self.app_metrics.dropped("exporter_unavailable", data)
+            self.app_metrics.dropped("exporter_unavailable", len(data))
             return
-        payload, lost = encode_batch(messages)
+        # Samples first (a trace's window needs them), then the records in frames of a bounded number, each
+        # taken or refused whole, then metric events and flush markers (after the data they flush).
+        leading = [m for m in messages if m[0] == wire.SIGNAL]
+        trailing = [m for m in messages if m[0] not in DATA_KINDS and m[0] != wire.SIGNAL]
+        if leading:
+            writer.write(encode_frame(encode_batch(leading)[0]), force=True)
+        for start in range(0, len(data), RECORDS_PER_FRAME):
+            if not self._send_records(writer, data[start : start + RECORDS_PER_FRAME]):
+                writer = self._writer  # the exporter died and was restarted: the rest goes to the new one
+                if writer is None or self._gave_up:
+                    self.app_metrics.dropped("exporter_unavailable", max(0, len(data) - start - RECORDS_PER_FRAME))
+                    return
+        if trailing:
+            writer.write(encode_frame(encode_batch(trailing)[0]), force=True)
+
+    def _send_records(self, writer: NonBlockingWriter, records: list[tuple[Any, ...]]) -> bool:
+        """False: the exporter is gone (and is being restarted)."""
+        payload, lost = encode_batch(records)
         if lost:
             self.app_metrics.dropped("unencodable", lost)
-        if writer.write(encode_frame(payload), force=data == 0):
-            self._shipped += data - lost
-            return
+        if writer.write(encode_frame(payload)):
+            self._shipped += len(records) - lost
+            return True
         if writer.broken:
-            self._shipped += data - lost  # this batch went down with the exporter: count it as in flight
+            self._shipped += len(records) - lost  # these went down with the exporter: counted as in flight
             self._died()
-            return
-        # The channel is full (the exporter is behind): the traces are dropped and counted, the control
-        # messages (signals, metric events, flushes) still go.
-        self.app_metrics.dropped("channel_full", data)
-        control = [m for m in messages if m[0] not in DATA_KINDS]
-        if control:
-            writer.write(encode_frame(encode_batch(control)[0]), force=True)
+            return False
+        # The channel is full (the exporter is behind): the records are dropped and counted.
+        self.app_metrics.dropped("channel_full", len(records) - lost)
+        return True
 
     # --- results --------------------------------------------------------------------------------------
     def poll(self) -> None:
