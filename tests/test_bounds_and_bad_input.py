@@ -26,7 +26,8 @@ def dropped(h, reason):
 @pytest.mark.slow
 def test_hundred_thousand_open_roots_are_capped_and_counted(make_harness, monkeypatch):
     monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "200000")  # the SDK's own export queue is not under test
-    h = make_harness(settings=Settings(max_traces_in_flight=1000, queue_size=200_000))
+    # the hand-off queue and the channel are not under test here: room for the whole burst
+    h = make_harness(settings=Settings(max_traces_in_flight=1000, queue_size=200_000, channel_buffer_bytes=2**28))
     tracer = h.tracer
     spans = [tracer.start_span(f"r{i}") for i in range(100_000)]
     registry = h.handle.runtime.registry
