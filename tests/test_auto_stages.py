@@ -120,3 +120,62 @@ def test_uninstrument_restores_originals(harness):
     auto_stages.uninstrument()
     after = (ImageFile.ImageFile.load, torch.Tensor.to, torch.nn.Module.__call__, fastapi.routing.serialize_response)
     assert after == before
+
+
+# Every call shape of Tensor.to (and the one nn.Module.to uses): positional and keyword device, dtype,
+# non_blocking, copy, memory_format, another tensor as the target.
+TO_CALL_SHAPES = [
+    (("cuda:0",), {}),
+    (("cuda:0", torch.float16), {}),
+    (("cuda:0", torch.float16, True), {}),
+    (("cuda:0", torch.float16, True, True), {}),
+    (("cuda:0",), {"non_blocking": True}),
+    (("cuda:0",), {"dtype": torch.float64, "non_blocking": True, "copy": True}),
+    (("cuda:0",), {"memory_format": torch.channels_last}),
+    ((), {"device": "cuda:0", "dtype": torch.float16, "non_blocking": True}),
+    ((torch.device("cuda", 0), torch.bfloat16, False), {}),  # what nn.Module.to passes: t.to(device, dtype, nb)
+]
+
+
+class _Source:
+    """A host tensor as the patch sees it: on the CPU, with bytes and pinned-ness."""
+
+    device = torch.device("cpu")
+
+    def numel(self) -> int:
+        return 256
+
+    def element_size(self) -> int:
+        return 4
+
+    def is_pinned(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("args", "kwargs"), TO_CALL_SHAPES)
+def test_a_patched_host_to_device_copy_passes_every_argument_through_unchanged(auto, args, kwargs):
+    harness, _ = auto
+    calls, result = [], object()
+
+    def original(self, *a, **k):
+        calls.append((self, a, k))
+        return result
+
+    patched = auto_stages._tensor_to(original)
+    source = _Source()
+    with stagetrace.pipeline("p"):
+        out = patched(source, *args, **kwargs)
+    assert out is result  # exactly what the original returned
+    assert calls == [(source, args, kwargs)]  # called once, with the caller's arguments as given
+    (h2d,) = harness.by_name("h2d")
+    assert h2d.attributes[c.STAGE_KIND] == "h2d" and h2d.attributes[c.H2D_BYTES] == 1024
+
+
+def test_module_to_with_a_dtype_keeps_it_under_automatic_stages(auto):
+    model = torch.nn.Linear(4, 2)
+    reference = torch.nn.Linear(4, 2).to("cpu", torch.float16)
+    with stagetrace.pipeline("p"):
+        model.to("cpu", torch.float16)
+        x = torch.ones(3, 4).to(torch.float64)  # a cast, not a copy between host and device
+    assert model.weight.dtype == reference.weight.dtype == torch.float16
+    assert x.dtype == torch.float64

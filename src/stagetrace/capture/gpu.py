@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from stagetrace._safety import report_internal_error
@@ -112,12 +113,15 @@ def _note_copy(rec: StageRecord | None, tensor: Any, kind: str) -> None:
         report_internal_error("copy metadata")
 
 
-def _timed_copy(name: str, kind: str, tensor: Any, target: Any, event_device: Any, non_blocking: bool) -> Any:
+def timed_copy(name: str, kind: str, tensor: Any, event_device: Any, copy: Callable[[], T]) -> T:
+    """Run ``copy()`` (the caller's own ``to()`` call, arguments untouched) as an ``h2d`` / ``d2h`` stage:
+    bytes, pinned-ness, and CUDA events around it on ``event_device``'s current stream. Returns exactly
+    what ``copy()`` returns."""
     rec = enter_stage(name, kind)
     _note_copy(rec, tensor, kind)
     _gpu_start(rec, event_device)
     try:
-        out = tensor.to(target, non_blocking=non_blocking)
+        out = copy()
     except BaseException as e:
         _gpu_finish(rec)
         exit_stage(rec, e)
@@ -130,13 +134,14 @@ def _timed_copy(name: str, kind: str, tensor: Any, target: Any, event_device: An
 def h2d(tensor: T, device: Any, non_blocking: bool = True, *, name: str = "h2d") -> T:
     """``tensor.to(device, non_blocking=...)`` as an ``h2d`` stage: bytes, whether the source was pinned,
     and the copy's GPU time. A pageable source makes a non-blocking copy synchronous (PAGEABLE_H2D)."""
-    return _timed_copy(name, "h2d", tensor, device, device, non_blocking)
+    return timed_copy(name, "h2d", tensor, device, lambda: tensor.to(device, non_blocking=non_blocking))
 
 
 def d2h(tensor: T, non_blocking: bool = False, *, name: str = "d2h") -> T:
     """``tensor.to("cpu")`` as a ``d2h`` stage. The copy's GPU time is measured between events on the source
     stream, so the host time spent waiting for earlier kernels (inference) is not charged to it."""
-    return _timed_copy(name, "d2h", tensor, "cpu", getattr(tensor, "device", None), non_blocking)
+    device = getattr(tensor, "device", None)
+    return timed_copy(name, "d2h", tensor, device, lambda: tensor.to("cpu", non_blocking=non_blocking))
 
 
 __all__ = ["d2h", "gpu_stage", "h2d"]

@@ -22,7 +22,7 @@ import functools
 import importlib.util
 from typing import Any
 
-from stagetrace.capture.gpu import GpuStage, d2h, h2d
+from stagetrace.capture.gpu import GpuStage, timed_copy
 from stagetrace.capture.stage import Stage, enter_stage, exit_stage
 from stagetrace.integrations._common import Patch
 
@@ -80,6 +80,10 @@ def copy_kind(source_type: str, target: Any) -> str | None:
 
 
 def _tensor_to(original: Any) -> Any:
+    """Host<->device copies become ``h2d`` / ``d2h`` stages; the call itself is the caller's, with every
+    argument as given (device, dtype, ``non_blocking``, ``copy``, ``memory_format``, positional or not),
+    so that instrumentation never changes what the program does (``nn.Module.to`` relies on it)."""
+
     @functools.wraps(original)
     def to(self: Any, *args: Any, **kwargs: Any) -> Any:
         target = kwargs.get("device", args[0] if args else None)
@@ -88,10 +92,8 @@ def _tensor_to(original: Any) -> Any:
             if kind is not None and "copy" not in _inside.get():
                 token = _inside.set(_inside.get() | {"copy"})
                 try:
-                    non_blocking = kwargs.get("non_blocking", False)
-                    if kind == "h2d":
-                        return h2d(self, target, non_blocking=non_blocking)
-                    return d2h(self, non_blocking=non_blocking)
+                    event_device = target if kind == "h2d" else self.device
+                    return timed_copy(kind, kind, self, event_device, lambda: original(self, *args, **kwargs))
                 finally:
                     _inside.reset(token)
         return original(self, *args, **kwargs)
