@@ -22,8 +22,9 @@ from stagetrace.handoff.channel import FrameReader, encode_frame
 from stagetrace.settings import Settings
 
 
-def dropped(h, reason):
-    return sum(p.value for p in h.metric_points(c.METRIC_DROPPED) if p.attributes[c.DROP_REASON] == reason)
+def dropped(h, reason, *, flush=True):
+    points = h.metric_points(c.METRIC_DROPPED, flush=flush)
+    return sum(p.value for p in points if p.attributes[c.DROP_REASON] == reason)
 
 
 def alive(pid: int) -> bool:
@@ -168,7 +169,7 @@ def test_a_full_channel_drops_and_counts_and_never_blocks_the_request(make_harne
                 for i in range(20):  # 80 KB a trace: the pipe and the buffer fill within a few traces
                     s.set_attribute(f"padding{i}", f"{i}" + "x" * 4000)  # distinct: marshal shares equal objects
         elapsed = time.monotonic() - t0
-        assert wait_until(lambda: h.handle.runtime.shipper._items == type(h.handle.runtime.shipper._items)(), 5)
+        assert wait_until(lambda: not h.handle.runtime.shipper._items, 5)  # all handed to the (full) channel
         time.sleep(0.2)
     finally:
         os.kill(pid, signal.SIGCONT)
@@ -253,15 +254,8 @@ def test_healthy_traces_are_sampled_but_metrics_see_every_request(no_healthy_tra
 def test_exemplars_point_only_at_kept_traces(no_healthy_traces):
     h = no_healthy_traces
     run_healthy_then_slow(5)
-    assert h.handle.runtime.shipper.flush(10)
-    points = [
-        p
-        for rm in h.reader.get_metrics_data().resource_metrics
-        for sm in rm.scope_metrics
-        for m in sm.metrics
-        if m.name == c.METRIC_TRACE_DURATION
-        for p in m.data.data_points
-    ]
+    assert h.handle.runtime.shipper.flush(10)  # spans and metric events in; the metrics not yet collected
+    points = h.metric_points(c.METRIC_TRACE_DURATION, flush=False)
     kept = {s.context.trace_id for s in h.roots()}
     exemplar_ids = {e.trace_id for p in points for e in p.exemplars}
     assert exemplar_ids and exemplar_ids <= kept
@@ -315,3 +309,21 @@ def test_the_default_keeps_a_tenth_of_healthy_traces(tmp_path):
     subprocess.run([sys.executable, "-c", code, str(path)], env=env, check=True, timeout=60)
     roots = Path(path).read_text().count('"name":"p"')
     assert 15 <= roots <= 70  # about 40 of 400
+
+
+def test_an_exporter_that_keeps_dying_is_given_up_and_what_follows_is_counted(make_harness):
+    h = make_harness(settings=Settings(exporter_restarts_per_minute=1))
+    for _ in range(2):  # the first death is restarted, the second exceeds the allowance
+        pid = h.handle.exporter_pid
+        run_pipelines(1)
+        h.handle.force_flush(10)
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda p=pid: h.handle.exporter_pid != p)
+    assert h.handle.exporter_pid is None  # given up, not restarted in a loop
+    t0 = time.monotonic()
+    run_pipelines(5)
+    assert h.handle.force_flush(5) is False  # says it could not, at once
+    assert time.monotonic() - t0 < 3
+
+    # still counted, in this process (read without a flush: with no exporter a flush reports failure)
+    assert wait_until(lambda: dropped(h, "exporter_unavailable", flush=False) >= 5)

@@ -4,7 +4,6 @@ in the application (exporter objects, metric readers, ``on_verdict``)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -95,7 +94,7 @@ class Runtime:
     @property
     def exporter_pid(self) -> int | None:
         proc = getattr(self.shipper.transport, "proc", None)
-        return proc.pid if proc is not None and self.shipper._pid == os.getpid() else None
+        return proc.pid if proc is not None else None  # after a fork: None until this process starts its own
 
     def _transport(self, shipper: Shipper) -> Transport:
         if self.settings.export_process and self.exporter_config is not None:

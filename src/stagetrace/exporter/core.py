@@ -51,7 +51,6 @@ class ExporterCore:
         self.series = {sig.GIL_SERIES: sig.LagSeries(), sig.LOOP_SERIES: sig.LagSeries()}
         self.decisions = RecentDecisions()
         self.handled = 0  # traces, stages and spans handled (acknowledged to the application)
-        self.kept = 0
         self._slow_log = RateLimitedLog(per_interval=settings.slow_log_per_minute, interval_s=60.0)
         self._malformed_log = RateLimitedLog(per_interval=5, interval_s=60.0)
         self._handlers = {
@@ -147,7 +146,6 @@ class ExporterCore:
         if dropped_stages:
             self.metrics.dropped("stages_per_trace", dropped_stages)
         if keep.kept:
-            self.kept += 1
             out = [sp.stage_span(st, trace_id, offset, flags, state) for st in stages]
             out.extend(others)
             out.append(sp.root_with_verdict(root, verdict, self.settings.record_query_strings))

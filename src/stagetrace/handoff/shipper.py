@@ -93,10 +93,8 @@ class Shipper:
         self._sent_flushes: dict[int, _FlushMarker] = {}
         self._wake = threading.Event()
         self._sleeping = False
-        self._busy = False
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
-        self._pid = os.getpid()
         self._stopped = False
         self._last_sweep = time.monotonic()
         self.transport: Transport | None = None
@@ -109,8 +107,6 @@ class Shipper:
 
     # --- submission (request threads) ----------------------------------------------------------------
     def start(self) -> None:
-        if self._pid != os.getpid():
-            self._after_fork()
         with self._start_lock:
             if self._thread is None and not self._stopped:
                 if self.transport is None:
@@ -124,7 +120,7 @@ class Shipper:
                         report_internal_error("sampler start")
 
     def _submit(self, item: Any) -> bool:
-        if self._thread is None or self._pid != os.getpid():
+        if self._thread is None:  # not started yet, or forked: the at-fork hook reset it
             if self._stopped:
                 return False
             self.start()
@@ -150,7 +146,7 @@ class Shipper:
     # --- flush / shutdown ----------------------------------------------------------------------------
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Everything submitted before the call analysed, exported and its results delivered."""
-        if self._thread is None or self._pid != os.getpid() or self._stopped:
+        if self._thread is None or self._stopped:
             return True
         marker = _FlushMarker(next(self._seq), timeout_s)
         self._items.append(marker)
@@ -180,7 +176,7 @@ class Shipper:
             self._wake.set()
             thread.join(timeout=max(0.1, deadline - time.monotonic()))
         transport = self.transport
-        if transport is not None and self._pid == os.getpid():
+        if transport is not None:
             ok = transport.close(max(0.5, deadline - time.monotonic())) and ok
         return ok
 
@@ -198,13 +194,10 @@ class Shipper:
                     self._wake.wait(min(poll * 10, self.settings.sweep_interval_s))
                 self._sleeping = False
             self._wake.clear()
-            self._busy = True
             try:
                 self._cycle(final=self._stopped)
             except Exception:
                 report_internal_error("shipper")
-            finally:
-                self._busy = False
             if self._stopped and not self._items:
                 return
 

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from stagetrace._safety import logger, report_internal_error, warn_once
+from stagetrace._safety import logger, report_internal_error
 from stagetrace.exporter.core import ExporterCore
 from stagetrace.exporter.metrics import MetricsRecorder, replay
 from stagetrace.exporter.outputs import LocalOutputs
@@ -96,14 +96,9 @@ class ProcessTransport:
         self.proc: subprocess.Popen[bytes] | None = None
         self._writer: NonBlockingWriter | None = None
         self._results_fd = -1
-        self._reader = FrameReader()
-        self._shipped = 0  # data records written to the current exporter
-        self._acked = 0  # ... of which it acknowledged handling
         self._restarts: list[float] = []
         self._gave_up = False
         self._last_liveness = 0.0
-        self.started_at = 0.0
-        self._pid = os.getpid()
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: (lambda t: t and t._forget_after_fork())(ref()))
         self._start()
@@ -113,7 +108,7 @@ class ProcessTransport:
         to_exporter_r, to_exporter_w = make_pipe()
         results_r, results_w = make_pipe()
         try:
-            self.proc = subprocess.Popen(
+            proc = subprocess.Popen(
                 [sys.executable, "-m", "stagetrace.exporter", str(to_exporter_r), str(results_w)],
                 pass_fds=(to_exporter_r, results_w),
                 stdin=subprocess.DEVNULL,
@@ -126,38 +121,39 @@ class ProcessTransport:
             for fd in (to_exporter_r, to_exporter_w, results_r, results_w):
                 os.close(fd)
             raise
-        finally:
-            if self.proc is not None:
-                os.close(to_exporter_r)
-                os.close(results_w)
-        self.started_at = time.monotonic()
+        os.close(to_exporter_r)  # the child's ends
+        os.close(results_w)
+        self.proc = proc
         self._writer = NonBlockingWriter(to_exporter_w, self.settings.channel_buffer_bytes)
         os.set_blocking(results_r, False)
         self._results_fd = results_r
         self._reader = FrameReader()
-        self._shipped = self._acked = 0
+        self._shipped = 0  # data records written to this exporter
+        self._acked = 0  # ... of which it acknowledged handling
         self._writer.write(encode_frame(marshal.dumps((wire.CONFIG, self._config()))), force=True)
 
     def _forget_after_fork(self) -> None:
         """In a forked child: the parent's exporter is not ours. Close our copies of its pipes (so it sees
         end-of-file when the parent goes) without touching the process itself."""
+        self._close_pipes(read_first=False)
+        self.proc = None
+
+    def _close_pipes(self, *, read_first: bool) -> None:
         if self._writer is not None:
             self._writer.close()
+            self._writer = None
         if self._results_fd >= 0:
+            if read_first:
+                self._read_results()
             try:
                 os.close(self._results_fd)
             except OSError:
                 pass
-        self.proc = None
-        self._writer = None
-        self._results_fd = -1
+            self._results_fd = -1
 
     def _died(self) -> None:
         lost = max(0, self._shipped - self._acked)
         code = self.proc.returncode if self.proc is not None else None
-        logger.warning(
-            "stagetrace: the exporter process ended (exit %s); %d traces in flight lost, restarting", code, lost
-        )
         self._drop_channel()
         if lost:
             self.app_metrics.dropped("exporter_restart", lost)
@@ -166,11 +162,16 @@ class ProcessTransport:
         self._restarts = [t for t in self._restarts if now - t < 60.0]
         if len(self._restarts) >= self.settings.exporter_restarts_per_minute:
             self._gave_up = True
-            warn_once(
-                "exporter-gave-up",
-                "stagetrace: the exporter process keeps dying; traces are dropped and counted from now on",
+            logger.warning(
+                "stagetrace: the exporter process ended (exit %s) again, %d traces in flight lost; it is not "
+                "restarted: traces are dropped and counted from now on",
+                code,
+                lost,
             )
             return
+        logger.warning(
+            "stagetrace: the exporter process ended (exit %s); %d traces in flight lost, restarting", code, lost
+        )
         self._restarts.append(now)
         try:
             self._start()
@@ -179,29 +180,18 @@ class ProcessTransport:
             self._gave_up = True
 
     def _drop_channel(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        if self._results_fd >= 0:
-            self._read_results()
+        self._close_pipes(read_first=True)
+        proc, self.proc = self.proc, None
+        if proc is not None:
             try:
-                os.close(self._results_fd)
-            except OSError:
-                pass
-            self._results_fd = -1
-        if self.proc is not None:
-            try:
-                self.proc.kill()
-                self.proc.wait(1.0)
+                proc.kill()
+                proc.wait(1.0)  # reaped: no zombie
             except Exception:
                 pass
 
     def close(self, timeout_s: float) -> bool:
         """End of input, then wait for the exporter to flush and exit (reading its results meanwhile, so
         that it never blocks on a full results pipe); past the deadline it is killed."""
-        if self._pid != os.getpid():
-            self._forget_after_fork()
-            return True
         proc, writer = self.proc, self._writer
         if proc is None or writer is None:
             return True
@@ -221,17 +211,12 @@ class ProcessTransport:
                 break
             time.sleep(0.005)
         proc.wait(2.0)
-        self._read_results()
-        os.close(self._results_fd)
-        self._results_fd = -1
+        self._close_pipes(read_first=True)
         self.proc = None
         return ok and proc.returncode == 0
 
     # --- sending --------------------------------------------------------------------------------------
     def send(self, messages: list[tuple[Any, ...]]) -> None:
-        if self._pid != os.getpid():
-            self._forget_after_fork()
-            self._pid = os.getpid()
         if self.proc is None and not self._gave_up:
             try:
                 self._start()
@@ -241,7 +226,7 @@ class ProcessTransport:
         data = [m for m in messages if m[0] in DATA_KINDS]
         writer = self._writer
         if writer is None or self._gave_up:
-            self.app_metrics.dropped("exporter_unavailable", len(data))
+            self._without_exporter(messages, len(data))
             return
         # Samples first (a trace's window needs them), then the records in frames of a bounded number, each
         # taken or refused whole, then metric events and flush markers (after the data they flush).
@@ -257,6 +242,16 @@ class ProcessTransport:
                     return
         if trailing:
             writer.write(encode_frame(encode_batch(trailing)[0]), force=True)
+
+    def _without_exporter(self, messages: list[tuple[Any, ...]], records: int) -> None:
+        """No exporter (it kept dying): records are dropped and counted, metric events go straight to the
+        metric readers that live here, and flushes answer at once that they failed."""
+        self.app_metrics.dropped("exporter_unavailable", records)
+        for msg in messages:
+            if msg[0] == wire.METRIC:
+                replay(self.local.metrics, list(msg[1]))
+            elif msg[0] == wire.FLUSH:
+                self.shipper.flushed(msg[1], False)
 
     def _send_records(self, writer: NonBlockingWriter, records: list[tuple[Any, ...]]) -> bool:
         """False: the exporter is gone (and is being restarted)."""
