@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stagetrace.analysis import DiagnosisThresholds, StageSample, TraceSignals, analyse_trace, diagnose
+from stagetrace.analysis import BatchInfo, DiagnosisThresholds, StageSample, TraceSignals, analyse_trace, diagnose
 from stagetrace.analysis.diagnosis import ADVICE, RULE_CODES
 
 MS = 1_000_000
@@ -113,8 +113,61 @@ def test_diagnosis_message_is_specific(code):
         "EVENT_LOOP_BLOCKED": ([cpu("t", 0, 50, on_event_loop=True)], TraceSignals()),
         "QUEUEING": ([cpu("q", 0, 50, kind="wait")], TraceSignals()),
         "UNTRACKED_TIME": ([cpu("t", 0, 5)], TraceSignals()),
+        "BATCH_WAIT": (batch_member(formation=60, busy=0), TraceSignals()),
+        "BATCH_UNDERFILLED": (batch_member(formation=5, busy=30, items=2, gpu_ms=8), TraceSignals()),
     }
     stages, sig = signatures[code]
     d = run(stages, signals=sig)[code]
     assert any(ch.isdigit() for ch in d.message)
     assert d.advice == ADVICE[code]
+
+
+def batch_member(*, formation, busy, items=8, max_size=16, gpu_ms=None, run_ms=40, total_ms=100):
+    """A member's stages as the exporter sees them: its wait (formation then the previous batch's run), the
+    batch stage, and the batch's GPU stage under it; the request's own work fills the rest."""
+    wait_end = formation + busy
+    common = ("b1", 3, items, 0, 1, max_size)
+    wait = cpu("infer.queue", 0, wait_end, kind="wait", batch=BatchInfo(*common, formation_ms=formation, busy_ms=busy))
+    head = cpu(
+        "infer", wait_end, wait_end + run_ms, span_id=7, batch=BatchInfo(*common, link_trace_id=5, link_span_id=6)
+    )
+    forward = cpu(
+        "forward",
+        wait_end + 1,
+        wait_end + run_ms - 1,
+        kind="gpu",
+        gpu_ms=gpu_ms,
+        parent_stage_id=7,
+        batch=BatchInfo(*common),
+    )
+    post = cpu("post", wait_end + run_ms, total_ms)
+    return [wait, head, forward, post]
+
+
+def test_batch_wait_fires_when_forming_the_batch_dominates():
+    assert "BATCH_WAIT" in run(batch_member(formation=45, busy=0))
+    assert "BATCH_WAIT" not in run(batch_member(formation=35, busy=0))  # 35 % < 40 %
+    assert "BATCH_WAIT" not in run(batch_member(formation=8, busy=0, run_ms=2, total_ms=12))  # under 10 ms
+    assert "BATCH_WAIT" in run(batch_member(formation=35, busy=0), thresholds=DiagnosisThresholds(batch_wait_share=0.3))
+
+
+def test_a_batch_wait_is_queueing_only_for_the_time_behind_the_previous_batch():
+    forming = run(batch_member(formation=50, busy=0))
+    assert "QUEUEING" not in forming and forming["BATCH_WAIT"].stage == "infer.queue"
+    behind = run(batch_member(formation=5, busy=30))
+    assert "QUEUEING" in behind and "BATCH_WAIT" not in behind
+    assert "30.0 ms" in behind["QUEUEING"].message
+
+
+def test_batch_underfilled_needs_small_batches_a_queue_and_an_idle_gpu():
+    # 2 of 16 items while the request queued 30 ms behind the previous batch, GPU stage busy 95 % of the run
+    busy_gpu = batch_member(formation=5, busy=30, items=2, gpu_ms=38)
+    assert "BATCH_UNDERFILLED" not in run(busy_gpu)  # the GPU is the limit, not the batcher
+    idle_gpu = batch_member(formation=5, busy=30, items=2, gpu_ms=8)
+    found = run(idle_gpu)
+    assert found["BATCH_UNDERFILLED"].stage == "infer"
+    assert "2 of 16 items (12%)" in found["BATCH_UNDERFILLED"].message
+    assert "BATCH_UNDERFILLED" in run(busy_gpu, signals=TraceSignals(gpu_utilization=0.1))  # NVML says idle
+    assert "BATCH_UNDERFILLED" not in run(batch_member(formation=5, busy=30, items=8, gpu_ms=8))  # half full
+    assert "BATCH_UNDERFILLED" not in run(batch_member(formation=35, busy=0, items=2, gpu_ms=8))  # no queue
+    assert "BATCH_UNDERFILLED" not in run(batch_member(formation=5, busy=30, items=2, max_size=0, gpu_ms=8))

@@ -15,6 +15,7 @@ from typing import Any
 
 from stagetrace._version import __version__
 from stagetrace.analysis import Diagnosis, DiagnosisThresholds, Verdict
+from stagetrace.capture.batch import Ticket, batch, enqueue
 from stagetrace.capture.stage import current_stage, pipeline, stage
 from stagetrace.profiler import InferencePipelineProfiler
 from stagetrace.settings import Settings
@@ -26,11 +27,14 @@ __all__ = [
     "InferencePipelineProfiler",
     "Settings",
     "StagetraceHandle",
+    "Ticket",
     "Verdict",
     "__version__",
+    "batch",
     "configure",
     "current_stage",
     "d2h",
+    "enqueue",
     "gpu_stage",
     "h2d",
     "instrument_fastapi",

@@ -20,6 +20,18 @@ H2D_PINNED = "stagetrace.h2d.pinned"
 HOST_DURATION_MS = "stagetrace.host.duration_ms"
 LATE = "stagetrace.late"
 QUEUE_SATURATED = "stagetrace.queue.saturated"
+D2H_BYTES = "stagetrace.d2h.bytes"
+# on stages run by a dynamic batch (stagetrace.batch()), in each member's trace, and on the batch span
+BATCH_ID = "stagetrace.batch.id"
+BATCH_SIZE = "stagetrace.batch.size"
+BATCH_ITEMS = "stagetrace.batch.items"
+BATCH_INDEX = "stagetrace.batch.index"
+BATCH_SHARE_MS = "stagetrace.batch.share_ms"
+BATCH_MAX_SIZE = "stagetrace.batch.max_size"
+BATCH_FILL = "stagetrace.batch.fill"
+BATCH_FORMATION_MS = "stagetrace.batch.formation_ms"
+BATCH_BUSY_MS = "stagetrace.batch.busy_ms"
+BATCH_ABANDONED = "stagetrace.batch.abandoned"
 
 # --- verdict attributes, on the trace's local root span --------------------------------------------------
 TOTAL_MS = "stagetrace.total_ms"
@@ -50,6 +62,8 @@ METRIC_BOTTLENECK = "stagetrace.bottleneck"
 METRIC_DIAGNOSIS = "stagetrace.diagnosis"
 METRIC_GPU_UTILIZATION = "stagetrace.gpu.utilization"
 METRIC_DROPPED = "stagetrace.dropped"
+METRIC_BATCH_SIZE = "stagetrace.batch.size"
+METRIC_BATCH_FILL = "stagetrace.batch.fill"
 
 # metric attribute keys beyond the span ones
 HTTP_ROUTE = "http.route"

@@ -75,6 +75,10 @@ class Settings:
     healthy_sample: float = field(default_factory=healthy_sample_from_env)
     channel_buffer_bytes: int = 8 * 2**20  # application-side bytes waiting for the pipe, at most
     exporter_restarts_per_minute: int = 5
+    # A batch span waits in the exporter for its members' keep decisions (it is exported when any member
+    # is), at most this long and this many at once.
+    batch_keep_wait_s: float = 30.0
+    max_pending_batches: int = 1024
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for the exporter process (``from_dict`` rebuilds it there)."""

@@ -8,9 +8,10 @@ from stagetrace.analysis.diagnosis import (
     TraceSignals,
     diagnose,
 )
-from stagetrace.analysis.model import StageSample, Verdict, build_verdict
+from stagetrace.analysis.model import BatchInfo, StageSample, Verdict, batch_info, build_verdict
 
 __all__ = [
+    "BatchInfo",
     "Diagnosis",
     "DiagnosisThresholds",
     "StageSample",
@@ -18,6 +19,7 @@ __all__ = [
     "TraceSignals",
     "Verdict",
     "analyse_trace",
+    "batch_info",
     "build_verdict",
     "diagnose",
     "union_length_ns",

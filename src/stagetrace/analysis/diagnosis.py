@@ -38,6 +38,10 @@ class DiagnosisThresholds:
     queueing_share: float = 0.20
     untracked_share: float = 0.50
     untracked_min_ms: float = 10.0
+    batch_wait_share: float = 0.40  # of the request spent waiting for its batch to form
+    batch_wait_min_ms: float = 10.0
+    batch_underfilled_fill: float = 0.50  # batches below this share of their max size ...
+    batch_underfilled_gpu_share: float = 0.50  # ... while GPU stages hold less than this of the batch's run
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +85,15 @@ ADVICE = {
     "QUEUEING": (
         "The request waited for a worker thread or a batch slot. Raise the limit (anyio thread limiter, "
         "batch size), scale out, or shed load earlier."
+    ),
+    "BATCH_UNDERFILLED": (
+        "Requests queued while batches ran far below their max size and the GPU did little of the batch's "
+        "time: the batcher, not the GPU, is the limit. Let batches fill (a longer max wait, a larger max "
+        "size), run fewer batcher replicas per GPU, and move per-batch CPU work out of the batch loop."
+    ),
+    "BATCH_WAIT": (
+        "The request spent most of its time waiting for its batch to form. Shorten the batcher's max wait "
+        "(or make it adaptive to the arrival rate): at this load a batch does not fill before it expires."
     ),
     "UNTRACKED_TIME": (
         "Most of the request's time is in no stage. Add stages (@stagetrace.stage) around the code between "
@@ -199,11 +212,19 @@ def event_loop_blocked(a: TraceAnalysis, stages: Sequence[StageSample], sig: Tra
     return None
 
 
+def _queued_ms(s: StageSample) -> float:
+    """A wait's time spent in a queue: all of it, except that a batch wait counts only the time its
+    batcher's previous batch was still running (forming the batch is BATCH_WAIT's business)."""
+    if s.batch is not None and s.batch.formation_ms is not None:
+        return s.batch.busy_ms or 0.0
+    return s.wall_ms
+
+
 def queueing(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
     # A wait measured while its pool had free capacity is dispatch latency (often GIL contention), not a
     # queue: only waits not known to be unsaturated count.
-    waits = [s for s in stages if s.kind == "wait" and s.queue_saturated is not False]
-    wait_ms = sum(s.wall_ms for s in waits)
+    waits = [s for s in stages if s.kind == "wait" and s.queue_saturated is not False and _queued_ms(s) > 0]
+    wait_ms = sum(_queued_ms(s) for s in waits)
     if wait_ms < th.queueing_ms or a.total_ms <= 0 or wait_ms < th.queueing_share * a.total_ms:
         return None
     names = list(dict.fromkeys(s.name for s in waits))
@@ -212,6 +233,63 @@ def queueing(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals,
         f"the request queued {wait_ms:.1f} ms ({wait_ms / a.total_ms:.0%}) in {', '.join(names)}",
         max(names, key=lambda n: a.breakdown.get(n, 0.0)) if names else None,
     )
+
+
+def _batch_waits(stages: Sequence[StageSample]) -> list[StageSample]:
+    return [s for s in stages if s.kind == "wait" and s.batch is not None and s.batch.formation_ms is not None]
+
+
+def batch_wait(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+    waits = _batch_waits(stages)
+    formation = sum(s.batch.formation_ms or 0.0 for s in waits if s.batch is not None)
+    if not waits or a.total_ms <= 0 or formation < max(th.batch_wait_min_ms, th.batch_wait_share * a.total_ms):
+        return None
+    worst = max(waits, key=lambda s: s.batch.formation_ms if s.batch is not None else 0.0)
+    b = worst.batch
+    assert b is not None
+    of_max = f" of {b.max_size}" if b.max_size else ""
+    return _make(
+        "BATCH_WAIT",
+        f"the request waited {formation:.1f} ms ({formation / a.total_ms:.0%}) in '{worst.name}' for its batch to "
+        f"form (it ran with {b.items}{of_max} items)",
+        worst.name,
+    )
+
+
+def batch_underfilled(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+    heads = [s for s in stages if s.batch is not None and s.batch.is_member_batch_stage and s.batch.max_size]
+    if not heads:
+        return None
+    queued = sum(s.batch.busy_ms or 0.0 for s in _batch_waits(stages) if s.batch is not None)
+    if queued < th.queueing_ms:
+        return None  # no queue behind the batcher: small batches are all the load there is
+    for head in heads:
+        b = head.batch
+        assert b is not None
+        fill = b.fill or 0.0
+        if fill >= th.batch_underfilled_fill:
+            continue
+        gpu_ms = sum(
+            (s.gpu_ms if s.gpu_ms is not None else s.wall_ms)
+            for s in stages
+            if s.batch is not None and s.batch.id == b.id and s.kind in GPU_KINDS
+        )
+        gpu_share = gpu_ms / head.wall_ms if head.wall_ms > 0 else 0.0
+        low_utilization = sig.gpu_utilization is not None and sig.gpu_utilization < th.gpu_starved_utilization
+        if gpu_share >= th.batch_underfilled_gpu_share and not low_utilization:
+            continue
+        gpu_said = (
+            f"GPU utilisation {sig.gpu_utilization:.0%}"
+            if low_utilization and sig.gpu_utilization is not None
+            else f"GPU stages {gpu_share:.0%} of its run"
+        )
+        return _make(
+            "BATCH_UNDERFILLED",
+            f"batch '{head.name}' ran {b.items} of {b.max_size} items ({fill:.0%}) while the request queued "
+            f"{queued:.1f} ms behind the previous batch; {gpu_said}",
+            head.name,
+        )
+    return None
 
 
 def untracked_time(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
@@ -231,6 +309,8 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("CPU_OVERSUBSCRIBED", cpu_oversubscribed),
     ("EVENT_LOOP_BLOCKED", event_loop_blocked),
     ("QUEUEING", queueing),
+    ("BATCH_WAIT", batch_wait),
+    ("BATCH_UNDERFILLED", batch_underfilled),
     ("UNTRACKED_TIME", untracked_time),
 )
 RULE_CODES = tuple(code for code, _ in RULES)

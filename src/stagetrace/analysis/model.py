@@ -4,11 +4,48 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from stagetrace.analysis.breakdown import TraceAnalysis
     from stagetrace.analysis.diagnosis import Diagnosis, TraceSignals
+
+
+class BatchInfo(NamedTuple):
+    """What a stage knows about the dynamic batch it belongs to (``stagetrace.batch()``).
+
+    The request's wait stage carries it with the wait split into ``formation_ms`` and ``busy_ms``; the
+    member's batch stage carries the link to the batch span; the batch's inner stages, as they appear in
+    a member's trace, carry the membership only. Crosses the channel as a plain tuple in this order.
+    """
+
+    id: str  # shared by every member, the batch span's id in hex
+    size: int  # member requests
+    items: int  # items in the whole batch
+    index: int  # this member's place in the batch
+    member_items: int  # this member's items
+    max_size: int  # the batcher's max size in items; 0 when not given
+    link_trace_id: int = 0  # the batch span, on the member's batch stage only
+    link_span_id: int = 0
+    formation_ms: float | None = None  # on the wait stage: waiting for the batch to form ...
+    busy_ms: float | None = None  # ... and for the batcher's previous batch to finish
+
+    @property
+    def fill(self) -> float | None:
+        return self.items / self.max_size if self.max_size else None
+
+    @property
+    def is_member_batch_stage(self) -> bool:
+        return self.link_span_id != 0
+
+
+def batch_info(value: Any) -> BatchInfo | None:
+    """A shipped batch tuple as ``BatchInfo``; a clear error for one of the wrong shape."""
+    if value is None or isinstance(value, BatchInfo):
+        return value
+    if not isinstance(value, tuple) or not 6 <= len(value) <= len(BatchInfo._fields):
+        raise ValueError("malformed batch field")
+    return BatchInfo(*value)
 
 
 @dataclass(slots=True, eq=False)
@@ -39,6 +76,7 @@ class StageSample:
     h2d_pinned: bool | None = None
     gpu_utilization: float | None = None
     queue_saturated: bool | None = None  # for wait stages: was the pool full when the request queued?
+    batch: BatchInfo | None = None  # for stages of a dynamic batch
 
     @property
     def wall_ms(self) -> float:

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from stagetrace._safety import report_internal_error
 from stagetrace.capture.records import StageRecord
 from stagetrace.capture.stage import _STAGE_KEY, NULL_STAGE, _get_context, enter_stage, exit_stage, validate_stage_name
+from stagetrace.conventions import D2H_BYTES
 
 T = TypeVar("T")
 
@@ -108,7 +109,7 @@ def _note_copy(rec: StageRecord | None, tensor: Any, kind: str) -> None:
             rec.h2d_bytes = nbytes
             rec.h2d_pinned = bool(tensor.is_pinned())
         else:
-            rec.set_attribute("stagetrace.d2h.bytes", nbytes)
+            rec.set_attribute(D2H_BYTES, nbytes)
     except Exception:
         report_internal_error("copy metadata")
 

@@ -73,6 +73,8 @@ class StageRecord(NonRecordingSpan):
     h2d_pinned: bool | None = None
     gpu_utilization: float | None = None
     queue_saturated: bool | None = None
+    batch: tuple[Any, ...] | None = None  # analysis.BatchInfo as a plain tuple, on stages of a batch
+    gpu_resolved = False  # CUDA events already read (a batch's stage is shipped with every member)
 
     def __init__(
         self,
@@ -142,10 +144,12 @@ class TraceRecord:
     max_others = 512  # spans of other instrumentations held with the trace; past it they go on their own
 
     __slots__ = (
+        "batch",
         "closed",
         "created_monotonic",
         "dropped_stages",
         "lock",
+        "memberships",
         "others",
         "perf_to_epoch_ns",
         "root_span_id",
@@ -177,3 +181,5 @@ class TraceRecord:
         self.closed = False
         self.lock = threading.Lock()
         self.shadowed: TraceRecord | None = None  # an outer local root of the same trace id in this process
+        self.batch: Any = None  # the Batch whose span is this trace's root (stagetrace.batch())
+        self.memberships: list[Any] | None = None  # batches this trace's requests were served by

@@ -115,8 +115,10 @@ class _ActiveRoot:
         self.token: Any = None
 
 
-def _open_root(rt: Any, name: str, owner: Any) -> _ActiveRoot | None:
-    span = rt.tracer.start_span(name)
+def _open_root(rt: Any, name: str, owner: Any, *, new_trace: bool = False) -> _ActiveRoot:
+    """``new_trace``: a root of its own trace even inside another one (a batch serving many requests must
+    not land in whichever request's context its worker inherited)."""
+    span = rt.tracer.start_span(name, context=Context() if new_trace else None)
     active = _ActiveRoot(owner, span)
     ctx = set_span_in_context(span)
     values = dict(ctx)

@@ -9,6 +9,8 @@ span building and export. The same object runs in the exporter process and, with
 from __future__ import annotations
 
 import logging
+import random
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -20,7 +22,7 @@ from stagetrace.analysis import TraceSignals, Verdict, analyse_trace, build_verd
 from stagetrace.exporter import signals as sig
 from stagetrace.exporter import spans as sp
 from stagetrace.exporter.metrics import MetricsSink, replay
-from stagetrace.exporter.sampling import RecentDecisions, decide
+from stagetrace.exporter.sampling import PendingBatches, RecentDecisions, decide, in_healthy_share
 from stagetrace.handoff import wire
 from stagetrace.settings import Settings
 
@@ -50,6 +52,8 @@ class ExporterCore:
         self.metrics = outputs.metrics
         self.series = {sig.GIL_SERIES: sig.LagSeries(), sig.LOOP_SERIES: sig.LagSeries()}
         self.decisions = RecentDecisions()
+        self.batches = PendingBatches(self.decisions, settings.batch_keep_wait_s, settings.max_pending_batches)
+        self._new_span_id = random.Random().getrandbits  # ids for spans the exporter adds (link chunks)
         self.handled = 0  # traces, stages and spans handled (acknowledged to the application)
         self._slow_log = RateLimitedLog(per_interval=settings.slow_log_per_minute, interval_s=60.0)
         self._malformed_log = RateLimitedLog(per_interval=5, interval_s=60.0)
@@ -87,7 +91,16 @@ class ExporterCore:
         self._malformed_log.log(logging.WARNING, "malformed", "stagetrace: skipped a malformed record: %s", reason)
 
     def flush(self, timeout_s: float) -> bool:
+        self._export(self.batches.expire(time.monotonic()))
         return self.outputs.flush(timeout_s)
+
+    def finish(self) -> None:
+        """Before shutdown: batch traces still waiting for members are decided on what is known."""
+        self._export(self.batches.expire(time.monotonic(), everything=True))
+
+    def _export(self, spans: Sequence[tuple[Any, ...]]) -> None:
+        if spans:
+            self.outputs.export(spans)
 
     # --- traces ---------------------------------------------------------------------------------------
     def _trace(self, msg: tuple[Any, ...]) -> None:
@@ -99,9 +112,14 @@ class ExporterCore:
             raise MalformedRecord("malformed trace header")
         self.handled += 1
         try:
-            self._analyse_and_export(
-                trace_id, flags, state, offset, dropped_stages, gpu_utilization, root, shipped, others
-            )
+            if len(self.batches):
+                self._export(self.batches.expire(time.monotonic()))
+            if c.BATCH_ID in root[wire.SPAN_ATTRIBUTES]:
+                self._batch_trace(trace_id, flags, state, offset, root, shipped, others)
+            else:
+                self._analyse_and_export(
+                    trace_id, flags, state, offset, dropped_stages, gpu_utilization, root, shipped, others
+                )
         except Exception:
             report_internal_error("exporter trace")
 
@@ -142,6 +160,7 @@ class ExporterCore:
         )
         keep = decide(verdict, errored=errored, healthy_share=self.settings.healthy_sample, trace_id=trace_id)
         self.decisions.remember(trace_id, keep.kept)
+        self._export(self.batches.member_decided(trace_id, keep.kept))
         self.metrics.record_trace(verdict, (trace_id, root[wire.SPAN_ID]) if keep.kept else None)
         if dropped_stages:
             self.metrics.dropped("stages_per_trace", dropped_stages)
@@ -154,6 +173,47 @@ class ExporterCore:
             self._log_slow(verdict)
         if self.outputs.wants_verdicts:
             self.outputs.verdict(verdict)
+
+    def _batch_trace(
+        self,
+        trace_id: int,
+        flags: int,
+        state: str,
+        offset: int,
+        root: tuple[Any, ...],
+        stages: list[wire.ShippedStage],
+        others: list[tuple[Any, ...]],
+    ) -> None:
+        """A batch's own trace: the batch span (linked to every member) and the stages run once. Its
+        metrics are the batch's size and fill; the stages' time is charged in the members' traces, and
+        it gets no verdict of its own. Exported when any member's trace is."""
+        attrs = root[wire.SPAN_ATTRIBUTES]
+        size = attrs.get(c.BATCH_SIZE)
+        fill = attrs.get(c.BATCH_FILL)
+        self.metrics.record_batch(
+            root[wire.SPAN_NAME],
+            size if isinstance(size, int) else 0,
+            float(fill) if isinstance(fill, (int, float)) else None,
+        )
+        if not flags & 1:
+            self.decisions.remember(trace_id, False)
+            return
+        for st in stages:
+            sig.resolve_cpu(st)
+        out = [sp.stage_span(st, trace_id, offset, flags, state) for st in stages]
+        out.extend(others)
+        out.extend(sp.batch_spans(root, self._new_span_id_nonzero))
+        errored = root[wire.SPAN_STATUS] == _ERROR or any(st.error for st in stages)
+        if errored:
+            self.decisions.remember(trace_id, True)
+            self._export(out)
+            return
+        members = [link[0] for link in root[wire.SPAN_INDEX["links"]]]
+        fallback = in_healthy_share(trace_id, self.settings.healthy_sample)
+        self._export(self.batches.offer(trace_id, members, out, time.monotonic(), fallback))
+
+    def _new_span_id_nonzero(self) -> int:
+        return self._new_span_id(64) or 1
 
     def _signals(self, start_ns: int, end_ns: int, gpu_utilization: float | None) -> TraceSignals:
         s = self.settings

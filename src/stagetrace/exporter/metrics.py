@@ -25,6 +25,9 @@ _NO_SPAN = Context()
 MS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 200, 300, 500, 750, 1000, 1500, 2500, 5000, 10000)
 
 
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+FILL_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+
 Exemplar = tuple[int, int]  # (trace id, span id) of a kept trace's root
 
 
@@ -64,6 +67,18 @@ class StagetraceMetrics:
         )
         self._gpu_utilization = meter.create_gauge(
             c.METRIC_GPU_UTILIZATION, unit="1", description="GPU utilisation sampled through NVML"
+        )
+        self._batch_size = meter.create_histogram(
+            c.METRIC_BATCH_SIZE,
+            unit="{request}",
+            description="Requests served by one execution of a dynamic batcher",
+            explicit_bucket_boundaries_advisory=SIZE_BUCKETS,
+        )
+        self._batch_fill = meter.create_histogram(
+            c.METRIC_BATCH_FILL,
+            unit="1",
+            description="Items in a batch over the batcher's max size",
+            explicit_bucket_boundaries_advisory=FILL_BUCKETS,
         )
         self._max_stage_names = max_stage_names
         self._stage_names: set[str] = set()
@@ -119,6 +134,12 @@ class StagetraceMetrics:
         for code in verdict.diagnosis_codes:
             self._diagnosis.add(1, {c.DIAGNOSIS_CODE: code})
 
+    def record_batch(self, name: str, size: int, fill: float | None) -> None:
+        attrs = {c.STAGE: self._stage_label(name)}
+        self._batch_size.record(size, attrs, context=_NO_SPAN)
+        if fill is not None:
+            self._batch_fill.record(fill, attrs, context=_NO_SPAN)
+
     def dropped(self, reason: str, count: int = 1) -> None:
         if count:
             self._dropped.add(count, {c.DROP_REASON: reason})
@@ -133,11 +154,12 @@ class MetricsSink(Protocol):
 
     def record_stage(self, name: str, kind: str, ms: float, route: str | None) -> None: ...
     def record_trace(self, verdict: Verdict, exemplar: Exemplar | None) -> None: ...
+    def record_batch(self, name: str, size: int, fill: float | None) -> None: ...
     def dropped(self, reason: str, count: int = 1) -> None: ...
     def gpu_utilization(self, value: float, hw_id: str) -> None: ...
 
 
-METRIC_METHODS = frozenset({"record_stage", "record_trace", "dropped", "gpu_utilization"})
+METRIC_METHODS = frozenset({"record_stage", "record_trace", "record_batch", "dropped", "gpu_utilization"})
 
 
 class MetricsRecorder:
@@ -152,6 +174,9 @@ class MetricsRecorder:
 
     def record_trace(self, *args: Any) -> None:
         self.calls.append(("record_trace", args))
+
+    def record_batch(self, *args: Any) -> None:
+        self.calls.append(("record_batch", args))
 
     def dropped(self, reason: str, count: int = 1) -> None:
         if count:
@@ -187,6 +212,10 @@ class TeeMetrics:
     def record_trace(self, *args: Any) -> None:
         for s in self.sinks:
             s.record_trace(*args)
+
+    def record_batch(self, *args: Any) -> None:
+        for s in self.sinks:
+            s.record_batch(*args)
 
     def dropped(self, reason: str, count: int = 1) -> None:
         for s in self.sinks:

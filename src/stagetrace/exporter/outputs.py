@@ -30,6 +30,9 @@ class NoMetrics:
     def record_trace(self, verdict: Verdict, exemplar: Exemplar | None) -> None:
         return None
 
+    def record_batch(self, name: str, size: int, fill: float | None) -> None:
+        return None
+
     def dropped(self, reason: str, count: int = 1) -> None:
         return None
 

@@ -244,6 +244,7 @@ def serve(in_fd: int, out_fd: int) -> int:
     finally:
         if reader.close() != malformed_seen:
             core.skipped("truncated frame at end of input", reader.malformed - malformed_seen)
+        core.finish()
         exporter.shutdown()
         sender.queue((wire.ACK, core.handled))
         exporter.outputs.send_metric_events()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from enum import Enum
+from typing import Any
 
 from stagetrace.analysis import Verdict
 
@@ -74,3 +75,92 @@ class RecentDecisions:
 
     def kept(self, trace_id: int) -> bool:
         return self._kept.get(trace_id, True)
+
+    def known(self, trace_id: int) -> bool | None:
+        """The decision, or None for a trace not decided (yet, or any more)."""
+        return self._kept.get(trace_id)
+
+
+Spans = list[tuple[Any, ...]]
+
+
+class _Pending:
+    __slots__ = ("deadline", "fallback", "spans", "undecided")
+
+    def __init__(self, deadline: float, fallback: bool, spans: Spans, undecided: set[int]) -> None:
+        self.deadline = deadline
+        self.fallback = fallback
+        self.spans = spans
+        self.undecided = undecided
+
+
+class PendingBatches:
+    """Batch traces waiting for their members' decisions. A batch span is exported when any member's trace
+    is, so a kept request can always be followed to the batch that served it. Members usually finish after
+    their batch, so a batch waits for them, bounded in count and time; one whose members never come (or
+    are still running when it expires) falls back to the healthy share on its own trace id.
+
+    Every method returns the spans to export now."""
+
+    def __init__(self, decisions: RecentDecisions, wait_s: float, max_pending: int = 1024) -> None:
+        self.decisions = decisions
+        self.wait_s = wait_s
+        self.max_pending = max_pending
+        self._pending: OrderedDict[int, _Pending] = OrderedDict()  # batch trace id -> waiting batch
+        self._by_member: dict[int, int] = {}  # member trace id -> batch trace id
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def offer(self, batch_trace_id: int, member_ids: list[int], spans: Spans, now: float, fallback: bool) -> Spans:
+        undecided: set[int] = set()
+        for member in member_ids:
+            known = self.decisions.known(member)
+            if known:
+                return self._decided(batch_trace_id, True, spans)
+            if known is None:
+                undecided.add(member)
+        if not undecided:
+            return self._decided(batch_trace_id, False, spans)
+        out: Spans = []
+        if len(self._pending) >= self.max_pending:
+            oldest = next(iter(self._pending))
+            out = self._settle(oldest, self._pending[oldest].fallback)
+        self._pending[batch_trace_id] = _Pending(now + self.wait_s, fallback, spans, undecided)
+        for member in undecided:
+            self._by_member[member] = batch_trace_id
+        return out
+
+    def member_decided(self, member_id: int, kept: bool) -> Spans:
+        batch_trace_id = self._by_member.pop(member_id, None)
+        if batch_trace_id is None:
+            return []
+        pending = self._pending.get(batch_trace_id)
+        if pending is None:
+            return []
+        pending.undecided.discard(member_id)
+        if kept:
+            return self._settle(batch_trace_id, True)
+        if not pending.undecided:
+            return self._settle(batch_trace_id, False)
+        return []
+
+    def expire(self, now: float, everything: bool = False) -> Spans:
+        out: Spans = []
+        while self._pending:
+            batch_trace_id, pending = next(iter(self._pending.items()))
+            if not everything and pending.deadline > now:
+                break  # in arrival order, and every batch waits as long
+            out += self._settle(batch_trace_id, pending.fallback)
+        return out
+
+    def _settle(self, batch_trace_id: int, kept: bool) -> Spans:
+        pending = self._pending.pop(batch_trace_id)
+        for member in pending.undecided:
+            if self._by_member.get(member) == batch_trace_id:
+                del self._by_member[member]
+        return self._decided(batch_trace_id, kept, pending.spans)
+
+    def _decided(self, batch_trace_id: int, kept: bool, spans: Spans) -> Spans:
+        self.decisions.remember(batch_trace_id, kept)
+        return spans if kept else []

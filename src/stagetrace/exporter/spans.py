@@ -7,6 +7,7 @@ the request thread, so spans that other instrumentations created inside a stage 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from opentelemetry.trace import SpanKind, StatusCode
@@ -37,11 +38,38 @@ def stage_attributes(stage: Any, extra: dict[str, Any] | None = None) -> dict[st
             attrs[key] = value
     if stage.on_event_loop:
         attrs[c.ON_EVENT_LOOP] = True
+    if stage.batch is not None:
+        attrs.update(batch_attributes(stage))
     if stage.attributes:
         attrs.update(stage.attributes)
     if extra:
         attrs.update(extra)
     return attrs
+
+
+def batch_attributes(stage: Any) -> dict[str, Any]:
+    """Membership of a batch on a stage of a member's trace: the wait carries its split, the other stages
+    the member's amortised share of their time (its items over the batch's)."""
+    b = stage.batch
+    attrs: dict[str, Any] = {c.BATCH_ID: b.id, c.BATCH_SIZE: b.size, c.BATCH_ITEMS: b.items, c.BATCH_INDEX: b.index}
+    if b.formation_ms is not None:
+        attrs[c.BATCH_FORMATION_MS] = round(b.formation_ms, 3)
+        attrs[c.BATCH_BUSY_MS] = round(b.busy_ms or 0.0, 3)
+    elif b.items:
+        ms = stage.gpu_ms if stage.kind in c.GPU_KINDS and stage.gpu_ms is not None else stage.wall_ms
+        attrs[c.BATCH_SHARE_MS] = round(ms * b.member_items / b.items, 3)
+    if b.is_member_batch_stage and b.max_size:
+        attrs[c.BATCH_MAX_SIZE] = b.max_size
+        attrs[c.BATCH_FILL] = round(b.fill or 0.0, 4)
+    return attrs
+
+
+def stage_links(stage: Any, flags: int) -> tuple[Any, ...]:
+    """A member's batch stage links to the batch span, so a slow request leads to the batch that served it."""
+    b = stage.batch
+    if b is None or not b.is_member_batch_stage:
+        return ()
+    return ((b.link_trace_id, b.link_span_id, flags, "", {}),)
 
 
 def stage_span(
@@ -73,7 +101,7 @@ def stage_span(
         end,
         stage_attributes(stage, extra),
         events,
-        (),
+        stage_links(stage, flags),
         status,
         description,
         c.INSTRUMENTATION_NAME,
@@ -146,3 +174,30 @@ def root_with_verdict(root: tuple[Any, ...], verdict: Verdict, keep_query_string
     attributes.update(verdict_attributes(verdict))
     events = tuple(root[wire.SPAN_EVENTS]) + diagnosis_events(verdict, root[wire.SPAN_END])
     return wire.replace_span(root, attributes=attributes, events=events)
+
+
+MAX_LINKS_PER_SPAN = 128  # the SDK's default span link limit (OTEL_SPAN_LINK_COUNT_LIMIT), which backends share
+
+
+def batch_spans(root: tuple[Any, ...], new_span_id: Callable[[], int]) -> list[tuple[Any, ...]]:
+    """The batch span with its links to every member, in chunks: the span keeps the first
+    ``MAX_LINKS_PER_SPAN``; each further chunk goes on a child span ``<name> members``."""
+    links = root[wire.SPAN_INDEX["links"]]
+    if len(links) <= MAX_LINKS_PER_SPAN:
+        return [root]
+    out = [wire.replace_span(root, links=links[:MAX_LINKS_PER_SPAN])]
+    attributes = {k: v for k, v in root[wire.SPAN_ATTRIBUTES].items() if k == c.BATCH_ID}
+    for first in range(MAX_LINKS_PER_SPAN, len(links), MAX_LINKS_PER_SPAN):
+        out.append(
+            wire.replace_span(
+                root,
+                name=f"{root[wire.SPAN_NAME]} members",
+                span_id=new_span_id(),
+                parent_span_id=root[wire.SPAN_ID],
+                parent_is_remote=False,
+                attributes=dict(attributes),
+                events=(),
+                links=links[first : first + MAX_LINKS_PER_SPAN],
+            )
+        )
+    return out

@@ -25,7 +25,7 @@ from stagetrace._safety import report_internal_error
 from stagetrace.capture.records import StageRecord, TraceRecord
 from stagetrace.exporter.metrics import MetricsRecorder
 from stagetrace.exporter.signals import flatten
-from stagetrace.handoff import wire
+from stagetrace.handoff import fanout, wire
 from stagetrace.settings import Settings
 
 DATA_KINDS = frozenset({wire.TRACE, wire.LONE_STAGE, wire.LONE_SPAN})
@@ -59,6 +59,16 @@ class _LoneSpan:
 
     def __init__(self, span: ReadableSpan) -> None:
         self.span = span
+
+
+def resolve_gpu_once(gpu: Any, rec: Any, offset: int) -> None:
+    """Turn a stage's CUDA events and NVML window into numbers, once: a batch's stage is shipped with its
+    own trace and with every member's (as views, resolved on their source with the batch's clock offset)."""
+    if type(rec) is fanout.MemberView:
+        rec, offset = rec.source, rec.source_offset
+    if type(rec) is StageRecord and not rec.gpu_resolved:
+        rec.gpu_resolved = True
+        gpu.apply(rec, offset)
 
 
 class Shipper:
@@ -254,7 +264,11 @@ class Shipper:
             return True
         if isinstance(item, StageRecord):
             return gpu.ready((item,), None)
-        return gpu.ready(tuple(item[0].stages), item[1].end_time)
+        trace = item[0]
+        stages = tuple(trace.stages)
+        if trace.memberships:
+            stages += tuple(fanout.gpu_sources(trace))
+        return gpu.ready(stages, item[1].end_time)
 
     def _drain_parked(self, messages: list[tuple[Any, ...]], force: bool) -> None:
         now = time.monotonic()
@@ -293,14 +307,20 @@ class Shipper:
             trace.closed = True
             stages = list(trace.stages)
             others = list(trace.others)
+            tickets = list(trace.memberships) if trace.memberships else None
         offset = trace.perf_to_epoch_ns
+        if tickets:
+            stages += fanout.member_stages(tickets, (root.end_time or 0) - offset, self._ticket_unused)
         gpu_utilization = None
         gpu = self.gpu
         if gpu is not None:
             for rec in stages:
-                gpu.apply(rec, offset)
+                resolve_gpu_once(gpu, rec, offset)
             gpu_utilization = gpu.trace_utilization(root.start_time or 0, root.end_time or 0)
         ctx = root.context
+        packed_root = wire.pack_span(root)
+        if trace.batch is not None:
+            packed_root = wire.replace_span(packed_root, links=tuple(wire.member_link(*m) for m in trace.batch.members))
         return (
             wire.TRACE,
             trace.trace_id,
@@ -309,16 +329,19 @@ class Shipper:
             offset,
             trace.dropped_stages,
             gpu_utilization,
-            wire.pack_span(root),
+            packed_root,
             tuple(map(wire.pack_stage, stages)),
             tuple(map(wire.pack_span, others)),
         )
+
+    def _ticket_unused(self) -> None:
+        self.app_metrics.dropped("batch_ticket_unused")
 
     def _pack_lone_stage(self, rec: StageRecord) -> tuple[Any, ...]:
         trace = rec.trace
         offset = trace.perf_to_epoch_ns if trace is not None else rec.perf_to_epoch_ns
         if self.gpu is not None:
-            self.gpu.apply(rec, offset)
+            resolve_gpu_once(self.gpu, rec, offset)
         source: Any = trace if trace is not None else rec  # untracked trace: flags were taken at stage entry
         flags = source.trace_flags
         return (

@@ -72,6 +72,7 @@ class InlineTransport:
         return None
 
     def close(self, timeout_s: float) -> bool:
+        self.core.finish()
         return self.core.flush(timeout_s)
 
 

@@ -18,6 +18,9 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
+from stagetrace.analysis.model import batch_info
+from stagetrace.conventions import BATCH_INDEX, BATCH_ITEMS
+
 # --- message kinds ------------------------------------------------------------------------------------
 # application -> exporter
 CONFIG = "C"  # (CONFIG, config dict): the first message a new exporter receives
@@ -53,6 +56,7 @@ STAGE_FIELDS = (
     "h2d_bytes",
     "h2d_pinned",
     "queue_saturated",
+    "batch",
 )
 pack_stage = attrgetter(*STAGE_FIELDS)
 """A capture record (or anything with these attributes) as its wire tuple."""
@@ -71,6 +75,7 @@ class ShippedStage:
             setattr(self, name, value)
         if not isinstance(self.name, str) or not isinstance(self.start_ns, int) or not isinstance(self.end_ns, int):
             raise ValueError("a stage record needs a str name and int times")
+        self.batch = batch_info(self.batch)
         self.cpu_ms: float | None = None
         self.blocked_ms: float | None = None
         self.runqueue_ms: float | None = None
@@ -159,6 +164,11 @@ def pack_span(span: ReadableSpan) -> tuple[Any, ...]:
         trace_state_header(ctx.trace_state),
         span.dropped_attributes,
     )
+
+
+def member_link(trace_id: int, span_id: int, flags: int, trace_state: str, index: int, items: int) -> tuple[Any, ...]:
+    """A link from a batch span to one member's batch stage, in the span tuple's link layout."""
+    return (trace_id, span_id, flags, trace_state, {BATCH_INDEX: index, BATCH_ITEMS: items})
 
 
 class RebuiltSpan(ReadableSpan):
