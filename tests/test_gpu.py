@@ -286,3 +286,32 @@ def test_real_cuda_events_resolve(harness):
             a = a / a.norm()
     spans = {s.name: s for s in harness.spans()}
     assert spans["matmul"].attributes[c.GPU_DURATION_MS] > 0
+
+
+def test_a_batch_gpu_stage_is_read_once_and_charged_to_every_member(gpu_world):
+    h, gpu, support = gpu_world()
+    resolved = []
+    original = support.timer.resolve
+    support.timer.resolve = lambda rec, offset: resolved.append(rec.name) or original(rec, offset)
+    from opentelemetry.trace import use_span
+
+    roots, tickets = [], []
+    for _ in range(4):
+        span = h.tracer.start_span("request")
+        with use_span(span, end_on_exit=False):
+            tickets.append(stagetrace.enqueue("infer.queue"))
+        roots.append(span)
+    with stagetrace.batch("infer", tickets, max_size=8):
+        x = stagetrace.h2d(FakeTensor(gpu, 1 << 20, pinned=True), "cuda:0")
+        with stagetrace.gpu_stage("forward"):
+            fake_model(x, ms=30)
+    for span in roots:
+        span.end()
+    verdicts = h.wait_verdicts(4)
+    assert len(verdicts) == 4
+    for v in verdicts:
+        assert 28 <= v.breakdown["forward"] <= 40  # GPU time from the events, in every member
+    assert sorted(resolved) == ["forward", "h2d"]  # each stage's events read once, not once per member
+    forwards = [s for s in h.spans() if s.name == "forward"]
+    assert len(forwards) == 5 and len({s.attributes[c.GPU_DURATION_MS] for s in forwards}) == 1
+    assert gpu.sync_calls == 0

@@ -261,7 +261,7 @@ class Batch:
             rt.shipper.submit_lone_stage(wait)
             return False
         with trace.lock:
-            if trace.closed:
+            if trace.closed or trace.root_ended:
                 late = True
             else:
                 late = False

@@ -152,6 +152,7 @@ class TraceRecord:
         "memberships",
         "others",
         "perf_to_epoch_ns",
+        "root_ended",
         "root_span_id",
         "shadowed",
         "stages",
@@ -178,7 +179,8 @@ class TraceRecord:
         self.stages: list[StageRecord] = []
         self.others: list[Any] = []  # other instrumentations' spans of this trace (SDK ReadableSpans)
         self.dropped_stages = 0
-        self.closed = False
+        self.closed = False  # shipped: stages ending from now on go on their own
+        self.root_ended = False  # the request is over: a batch starting now is too late to serve it
         self.lock = threading.Lock()
         self.shadowed: TraceRecord | None = None  # an outer local root of the same trace id in this process
         self.batch: Any = None  # the Batch whose span is this trace's root (stagetrace.batch())

@@ -113,6 +113,8 @@ class PendingBatches:
         return len(self._pending)
 
     def offer(self, batch_trace_id: int, member_ids: list[int], spans: Spans, now: float, fallback: bool) -> Spans:
+        if not member_ids:  # no traced request in it: a batch judged on its own
+            return self._decided(batch_trace_id, fallback, spans)
         undecided: set[int] = set()
         for member in member_ids:
             known = self.decisions.known(member)

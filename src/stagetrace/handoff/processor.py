@@ -49,6 +49,7 @@ class StagetraceSpanProcessor(SpanProcessor):
             if is_local_root(span):
                 trace = self.registry.close(ctx.trace_id, ctx.span_id)
                 if trace is not None:
+                    trace.root_ended = True
                     self.shipper.submit_trace(trace, span)
                     return
             else:
