@@ -23,6 +23,8 @@ SEL = 'job=~"$service", http_route=~"$route"'
 SVC = 'job=~"$service"'
 STAGE = "stagetrace_stage_duration_milliseconds"
 TRACE = "stagetrace_trace_duration_milliseconds"
+BATCH_SIZE = "stagetrace_batch_size"
+BATCH_FILL = 'stagetrace_batch_fill(_ratio)?'  # unit "1": the Collector adds _ratio, the Python exporter does not
 RATE = "$__rate_interval"
 JAEGER_SLOW_SEARCH = "http://127.0.0.1:16686/search?service=${service}&tags=%7B%22stagetrace.slow%22%3A%22true%22%7D"
 
@@ -236,6 +238,32 @@ def build() -> dict:
             [target(f"sum by (reason) (rate(stagetrace_dropped_total{{{SVC}}}[{RATE}]))", "{{reason}}")],
             unit="short",
             description="Non-zero means a bound (traces in flight, stage names, queue) was hit.",
+        ),
+        panel(
+            13,
+            "Batch size p50 / p95 (requests per execution)",
+            "timeseries",
+            (0, 38, 12, 8),
+            quantiles(BATCH_SIZE, ", stagetrace_stage", SVC)[:2],
+            unit="short",
+            description="Requests served by each execution of a dynamic batcher (stagetrace.batch()), per batch "
+            "name. Small batches under a queue: BATCH_UNDERFILLED.",
+        ),
+        panel(
+            14,
+            "Batch fill (items / max size)",
+            "timeseries",
+            (12, 38, 12, 8),
+            [
+                target(
+                    f'sum by (stagetrace_stage) (rate({{__name__=~"{BATCH_FILL}_sum", {SVC}}}[{RATE}]))'
+                    f' / sum by (stagetrace_stage) (rate({{__name__=~"{BATCH_FILL}_count", {SVC}}}[{RATE}]))',
+                    "{{stagetrace_stage}}",
+                )
+            ],
+            unit="percentunit",
+            description="Mean fill of each batcher's executions, where the batcher's max size is given. A low fill "
+            "while requests wait in the batch queue means the batcher, not the GPU, limits throughput.",
         ),
     ]
     return {

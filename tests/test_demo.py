@@ -50,11 +50,12 @@ def test_demo_runs_and_report_reads_what_it_wrote(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_optimized_prints_before_and_after_for_the_text_pipeline(tmp_path):
+@pytest.mark.parametrize("pipeline", ["text", "image"])
+def test_demo_optimized_prints_before_and_after(tmp_path, pipeline):
     demo = stagetrace_cli(
         "demo",
         "--pipeline",
-        "text",
+        pipeline,
         "--optimized",
         "--requests",
         "16",
@@ -66,8 +67,24 @@ def test_demo_optimized_prints_before_and_after_for_the_text_pipeline(tmp_path):
         cwd=tmp_path,
     )
     assert demo.returncode == 0, demo.stderr[-3000:]
-    assert "Before and after" in demo.stdout
-    assert "tokenize" in demo.stdout and "/classify-optimized" in demo.stdout
+    text = demo.stdout
+    assert "Before and after" in text
+    if pipeline == "text":
+        assert "tokenize" in text and "/classify-optimized" in text
+        return
+    # the optimized image pipeline serves inference through a dynamic batcher
+    assert "/predict-optimized" in text
+    assert "Batches (requests per execution" in text and "\ninfer.batch " in text
+    after = text.split("Before and after")[1]
+    for row in ("infer.batch batch size (mean)", "infer.batch batch fill (mean)", "infer.batch.queue forming p50 ms"):
+        line = next(ln for ln in after.splitlines() if row in ln)
+        assert line.split()[-2] == "-" and line.split()[-1] != "-"  # none before, measured after
+    report = stagetrace_cli("report", str(tmp_path / "o"), "--json", cwd=tmp_path)
+    doc = json.loads(report.stdout)
+    assert doc["traces"] == 32  # the batch executions are not requests
+    batches = doc["batches"]["infer.batch"]
+    assert 1 <= batches["executions"] <= 16 and batches["size_mean"] * batches["executions"] == pytest.approx(16)
+    assert doc["batch_waits"]["infer.batch.queue"]["requests"] == 16
 
 
 def test_cli_rejects_bad_arguments(tmp_path):

@@ -185,7 +185,10 @@ def test_html_report_renders_in_headless_chromium(tmp_path):
         stage(T1, "b" * 16, "a" * 16, "decode", 1, 240),
         stage(T1, "d" * 16, "a" * 16, "infer", 241, 290, kind="gpu"),
     ]
-    (tmp_path / "t.jsonl").write_text(line("gateway", gw) + "\n")
+    batch = span(
+        "1" * 32, "c" * 16, "", "infer.batch", 241, 290, {c.BATCH_ID: "c" * 16, c.BATCH_SIZE: 3, c.BATCH_FILL: 0.375}
+    )
+    (tmp_path / "t.jsonl").write_text(line("gateway", gw) + "\n" + line("gateway", [batch]) + "\n")
     html_path = tmp_path / "report.html"
     assert run_report([str(tmp_path / "t.jsonl")], html_path=str(html_path), out=io.StringIO()) == 0
     page = html_path.read_text()
@@ -199,9 +202,88 @@ def test_html_report_renders_in_headless_chromium(tmp_path):
         rows = driver.find_elements("css selector", "#stages tr")
         assert [r.find_elements("css selector", "td")[0].text for r in rows[1:]] == ["decode", "infer"]
         assert len(driver.find_elements("css selector", "svg.waterfall rect")) == 3
+        cells = [td.text for td in driver.find_elements("css selector", "#batches td")]
+        assert cells == ["infer.batch", "1", "3.0", "3", "3", "38%"]
         errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
         assert errors == []
         ARTIFACTS.mkdir(exist_ok=True)
         assert driver.save_screenshot(str(ARTIFACTS / "report.png"))
     finally:
         driver.quit()
+
+
+def test_report_summarises_batches_and_keeps_them_out_of_the_request_count(tmp_path, monkeypatch):
+    monkeypatch.setenv("STAGETRACE_OUTPUT_DIR", str(tmp_path))
+    import time
+
+    from opentelemetry.trace import use_span
+
+    handle = stagetrace.configure("batch-src", set_global=False)
+    tracer = handle.tracer_provider.get_tracer("t")
+    for size in (2, 4):
+        roots, tickets = [], []
+        for _ in range(size):
+            root = tracer.start_span("request")
+            with use_span(root, end_on_exit=False):
+                tickets.append(stagetrace.enqueue("infer.queue"))
+            roots.append(root)
+        time.sleep(0.003)
+        with stagetrace.batch("infer", tickets, max_size=8):
+            with stagetrace.stage("forward"):
+                time.sleep(0.002)
+        for root in roots:
+            root.end()
+    handle.force_flush()
+    handle.shutdown()
+    out = io.StringIO()
+    assert run_report([str(tmp_path)], as_json=True, out=out, err=io.StringIO()) == 0
+    doc = json.loads(out.getvalue())
+    assert doc["traces"] == 6 and set(doc["stages"]) == {"infer.queue", "infer", "forward"}
+    batches = doc["batches"]["infer"]
+    assert (batches["executions"], batches["size_mean"], batches["fill_mean"]) == (2, 3.0, 0.375)
+    assert 2 <= batches["size_p50"] <= batches["size_p95"] <= 4
+    waits = doc["batch_waits"]["infer.queue"]
+    assert waits["requests"] == 6 and waits["formation_p50_ms"] >= 3 and waits["busy_p50_ms"] == 0
+    text = io.StringIO()
+    run_report([str(tmp_path)], out=text, err=io.StringIO())
+    assert "Batches (requests per execution" in text.getvalue() and "Batch waits" in text.getvalue()
+
+
+def test_report_recomputes_batch_diagnoses_from_span_attributes_and_links():
+    """A member trace without stagetrace's verdict (e.g. from another SDK's file): the report rebuilds the
+    batch membership from the attributes and the link to the batch span, and judges it with the same rules."""
+    batch_attrs = {c.BATCH_ID: "b" * 16, c.BATCH_SIZE: 3, c.BATCH_ITEMS: 2, c.BATCH_INDEX: 0}
+    wait = span(
+        T1,
+        "1" * 16,
+        "a" * 16,
+        "infer.queue",
+        0,
+        60,
+        {
+            c.STAGE: "infer.queue",
+            c.STAGE_KIND: "wait",
+            **batch_attrs,
+            c.BATCH_FORMATION_MS: 10.0,
+            c.BATCH_BUSY_MS: 50.0,
+        },
+    )
+    head = span(
+        T1,
+        "2" * 16,
+        "a" * 16,
+        "infer",
+        60,
+        100,
+        {c.STAGE: "infer", c.STAGE_KIND: "cpu", **batch_attrs, c.BATCH_MAX_SIZE: 16},
+    )
+    head["links"] = [{"traceId": "f" * 32, "spanId": "e" * 16}]
+    forward = span(T1, "3" * 16, "2" * 16, "forward", 61, 65, {c.STAGE: "forward", c.STAGE_KIND: "gpu", **batch_attrs})
+    root = span(T1, "a" * 16, "", "request", 0, 100)
+    (parsed_head,) = [s for s in spans_from_line(line("svc", [head])) if s.name == "infer"]
+    assert parsed_head.links == [("f" * 32, "e" * 16)]
+    from stagetrace.report.traces import verdict_for_trace
+
+    verdict = verdict_for_trace(spans_from_line(line("svc", [root, wait, head, forward])))
+    assert set(verdict.diagnosis_codes) == {"QUEUEING", "BATCH_UNDERFILLED"}
+    assert "2 of 16 items" in next(d.message for d in verdict.diagnoses if d.code == "BATCH_UNDERFILLED")

@@ -229,6 +229,14 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
         stagetrace.d2h(FakeTensor(gpu, 4096, "cuda:0"))
         return {}
 
+    @app.get("/batched")
+    async def batched():
+        ticket = stagetrace.enqueue("batch.queue")
+        async with stagetrace.batch("batched", [ticket], max_size=4):
+            with stagetrace.stage("decode"):
+                pass
+        return {}
+
     @app.get("/churn/{i}")
     def churn(i: int):
         with stagetrace.stage(f"dynamic-{i}"):  # too many distinct stage names: counted as dropped
@@ -244,6 +252,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
                 i = 0
                 while not stop.is_set():
                     await c.get("/predict")
+                    await c.get("/batched")
                     await c.get(f"/churn/{i % 12}")
                     i += 1
                     await asyncio.sleep(0.01)

@@ -86,6 +86,21 @@ def _compare(before: dict[str, Any], after: dict[str, Any]) -> str:
     for name in dict.fromkeys([*before["stages"], *after["stages"]]):
         b, a = before["stages"].get(name), after["stages"].get(name)
         rows.append((f"  {name} p50 ms", f"{b['p50_ms']:.2f}" if b else "-", f"{a['p50_ms']:.2f}" if a else "-"))
+    for name in dict.fromkeys([*before.get("batches", {}), *after.get("batches", {})]):
+        b, a = before.get("batches", {}).get(name), after.get("batches", {}).get(name)
+        rows.append(
+            (
+                f"  {name} batch size (mean)",
+                f"{b['size_mean']:.1f}" if b else "-",
+                f"{a['size_mean']:.1f}" if a else "-",
+            )
+        )
+        fill = lambda x: f"{x['fill_mean']:.0%}" if x and x["fill_mean"] is not None else "-"  # noqa: E731
+        rows.append((f"  {name} batch fill (mean)", fill(b), fill(a)))
+    for name in dict.fromkeys([*before.get("batch_waits", {}), *after.get("batch_waits", {})]):
+        b, a = before.get("batch_waits", {}).get(name), after.get("batch_waits", {}).get(name)
+        for key, label in (("formation_p50_ms", "forming"), ("busy_p50_ms", "behind previous")):
+            rows.append((f"  {name} {label} p50 ms", f"{b[key]:.2f}" if b else "-", f"{a[key]:.2f}" if a else "-"))
     codes = dict.fromkeys([*before["diagnoses"], *after["diagnoses"]])
     for code in codes:
         rows.append((f"  {code}", str(before["diagnoses"].get(code, 0)), str(after["diagnoses"].get(code, 0))))
@@ -154,21 +169,27 @@ def run_demo(
     finally:
         server.should_exit = True
         thread.join(timeout=30)
-    handle.force_flush()
+    handle.shutdown()
     route = pipelines.ROUTES[(pipeline, False)]
+    agg = aggregators[route]
+    if handle.traces_path is not None and handle.traces_path.exists():
+        # From the exported traces, as `stagetrace report` reads them: the slowest traces get waterfalls, and
+        # the batch executions (traces of their own, seen by no verdict) give the batch tables.
+        from stagetrace.cli.report import aggregate_files
+
+        for fixed, summary in summaries.items():
+            from_file, _ = aggregate_files(
+                [str(handle.traces_path)], route=pipelines.ROUTES[(pipeline, fixed)], err=sys.stderr, batches=fixed
+            )
+            summary.update({k: v for k, v in from_file.summary().items() if k in ("batches", "batch_waits")})
+            if not fixed:
+                agg = from_file
     print(text_report(summaries[False], f"stagetrace demo ({pipeline}, {route})"))
     if optimized:
         print()
         print(text_report(summaries[True], f"stagetrace demo ({pipeline}, {pipelines.ROUTES[(pipeline, True)]})"))
         print("\nBefore and after\n" + _compare(summaries[False], summaries[True]))
     html_path = out / "report.html"
-    handle.shutdown()
-    agg = aggregators[route]
-    if handle.traces_path is not None and handle.traces_path.exists():
-        # From the exported traces, as `stagetrace report` reads them: the slowest traces get waterfalls.
-        from stagetrace.cli.report import aggregate_files
-
-        agg, _ = aggregate_files([str(handle.traces_path)], route=route, err=sys.stderr)
     title = f"stagetrace demo: {pipeline} pipeline"
     html_path.write_text(html_report(agg.summary(), agg.slowest(), title), encoding="utf-8")
     print()

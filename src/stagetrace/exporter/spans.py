@@ -7,14 +7,14 @@ the request thread, so spans that other instrumentations created inside a stage 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from opentelemetry.trace import SpanKind, StatusCode
 
 from stagetrace import conventions as c
 from stagetrace._version import __version__
-from stagetrace.analysis import Verdict
+from stagetrace.analysis import BatchInfo, Verdict
 from stagetrace.handoff import wire
 
 # stage field -> span attribute: the signals a stage span carries when they were measured
@@ -62,6 +62,33 @@ def batch_attributes(stage: Any) -> dict[str, Any]:
         attrs[c.BATCH_MAX_SIZE] = b.max_size
         attrs[c.BATCH_FILL] = round(b.fill or 0.0, 4)
     return attrs
+
+
+def batch_from_attributes(attributes: Mapping[str, Any], link: tuple[int, int] | None) -> BatchInfo | None:
+    """The reverse of ``batch_attributes``, for stages read back from exported spans (``stagetrace report``);
+    ``link``: the span's first link, which a member's batch stage has to the batch span."""
+    batch_id = attributes.get(c.BATCH_ID)
+    if not isinstance(batch_id, str):
+        return None
+
+    def number(key: str) -> Any:
+        value = attributes.get(key)
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    formation = number(c.BATCH_FORMATION_MS)
+    link_trace_id, link_span_id = link if link is not None else (0, 0)
+    return BatchInfo(
+        batch_id,
+        int(number(c.BATCH_SIZE) or 0),
+        int(number(c.BATCH_ITEMS) or 0),
+        int(number(c.BATCH_INDEX) or 0),
+        1,  # a member's own items are not exported; its share is (stagetrace.batch.share_ms)
+        int(number(c.BATCH_MAX_SIZE) or 0),
+        link_trace_id,
+        link_span_id,
+        formation,
+        number(c.BATCH_BUSY_MS) if formation is not None else None,
+    )
 
 
 def stage_links(stage: Any, flags: int) -> tuple[Any, ...]:

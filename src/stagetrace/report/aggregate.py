@@ -22,6 +22,24 @@ class StageSummary:
     bottleneck: int = 0
 
 
+@dataclass
+class BatchSummary:
+    """One batcher's executions: how many requests each served and how full it ran."""
+
+    executions: int = 0
+    size: QuantileSketch = field(default_factory=QuantileSketch)
+    fill: QuantileSketch = field(default_factory=QuantileSketch)
+
+
+@dataclass
+class BatchWaitSummary:
+    """One batch wait stage across requests, split into forming the batch and the previous batch's run."""
+
+    requests: int = 0
+    formation: QuantileSketch = field(default_factory=QuantileSketch)
+    busy: QuantileSketch = field(default_factory=QuantileSketch)
+
+
 @dataclass(order=True)
 class _Slow:
     total_ms: float
@@ -43,6 +61,8 @@ class Aggregator:
         self.messages: dict[str, str] = {}
         self.total = QuantileSketch()
         self.gpu_utilization = QuantileSketch()
+        self.batches: dict[str, BatchSummary] = {}
+        self.batch_waits: dict[str, BatchWaitSummary] = {}
         self._slowest: list[_Slow] = []
         self._keep = keep_slowest
         self._seq = 0
@@ -74,6 +94,24 @@ class Aggregator:
             heapq.heappush(self._slowest, item)
         elif item.total_ms > self._slowest[0].total_ms:
             heapq.heapreplace(self._slowest, item)
+
+    def add_batch(self, name: str, size: int, fill: float | None) -> None:
+        """One execution of a dynamic batcher (a batch trace, which has no verdict of its own)."""
+        b = self.batches.get(name)
+        if b is None:
+            b = self.batches[name] = BatchSummary()
+        b.executions += 1
+        b.size.add(size)
+        if fill is not None:
+            b.fill.add(fill)
+
+    def add_batch_wait(self, name: str, formation_ms: float, busy_ms: float) -> None:
+        w = self.batch_waits.get(name)
+        if w is None:
+            w = self.batch_waits[name] = BatchWaitSummary()
+        w.requests += 1
+        w.formation.add(formation_ms)
+        w.busy.add(busy_ms)
 
     def would_keep(self, total_ms: float) -> bool:
         """Whether a trace this long enters the slowest list (so its waterfall is worth building)."""
@@ -114,6 +152,28 @@ class Aggregator:
             out["gpu_utilization"] = {
                 "mean": round(self.gpu_utilization.mean, 4),
                 "p50": round(self.gpu_utilization.quantile(0.5), 4),
+            }
+        if self.batches:
+            out["batches"] = {
+                name: {
+                    "executions": b.executions,
+                    "size_mean": round(b.size.mean, 2),
+                    "size_p50": round(b.size.quantile(0.5), 2),
+                    "size_p95": round(b.size.quantile(0.95), 2),
+                    "fill_mean": round(b.fill.mean, 4) if b.fill.count else None,
+                }
+                for name, b in self.batches.items()
+            }
+        if self.batch_waits:
+            out["batch_waits"] = {
+                name: {
+                    "requests": w.requests,
+                    "formation_p50_ms": round(w.formation.quantile(0.5), 3),
+                    "formation_p95_ms": round(w.formation.quantile(0.95), 3),
+                    "busy_p50_ms": round(w.busy.quantile(0.5), 3),
+                    "busy_p95_ms": round(w.busy.quantile(0.95), 3),
+                }
+                for name, w in self.batch_waits.items()
             }
         out["slowest"] = [
             {

@@ -33,6 +33,7 @@ class Span:
     attributes: dict[str, Any] = field(default_factory=dict)
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     service: str = ""
+    links: list[tuple[str, str]] = field(default_factory=list)  # (trace id, span id)
 
 
 class MalformedLine(ValueError):
@@ -115,6 +116,9 @@ def spans_from_line(line: str) -> list[Span]:
                                 for e in sp.get("events") or ()
                             ],
                             service=service,
+                            links=[
+                                (_hex_id(lk["traceId"], 32), _hex_id(lk["spanId"], 16)) for lk in sp.get("links") or ()
+                            ],
                         )
                     )
     except (KeyError, TypeError, ValueError, AttributeError) as e:

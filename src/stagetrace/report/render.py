@@ -63,6 +63,7 @@ def text_report(summary: dict[str, Any], title: str = "stagetrace") -> str:
         for name, count in summary["bottlenecks"].items():
             bar = "#" * max(1, round(width * count / n))
             out.append(f"  {name:<18} {bar:<{width}} {count / n:6.1%}  ({count})")
+    out += batch_lines(summary)
     out += ["", "Diagnoses"]
     if not summary["diagnoses"]:
         out.append("  none fired")
@@ -71,6 +72,55 @@ def text_report(summary: dict[str, Any], title: str = "stagetrace") -> str:
         for line in textwrap.wrap(summary["advice"].get(code, ""), 100):
             out.append(f"      {line}")
     return "\n".join(out)
+
+
+def batch_rows(summary: dict[str, Any]) -> tuple[list[list[str]], list[list[str]]]:
+    """Rows of the batch tables: per batcher (executions, size, fill) and per batch wait (its split)."""
+    batches = [
+        [
+            name,
+            str(b["executions"]),
+            f"{b['size_mean']:.1f}",
+            f"{b['size_p50']:.0f}",
+            f"{b['size_p95']:.0f}",
+            f"{b['fill_mean']:.0%}" if b["fill_mean"] is not None else "-",
+        ]
+        for name, b in summary.get("batches", {}).items()
+    ]
+    waits = [
+        [
+            name,
+            str(w["requests"]),
+            f"{w['formation_p50_ms']:.2f}",
+            f"{w['formation_p95_ms']:.2f}",
+            f"{w['busy_p50_ms']:.2f}",
+            f"{w['busy_p95_ms']:.2f}",
+        ]
+        for name, w in summary.get("batch_waits", {}).items()
+    ]
+    return batches, waits
+
+
+BATCH_HEADERS = ["batch", "executions", "mean size", "p50 size", "p95 size", "mean fill"]
+WAIT_HEADERS = ["wait", "requests", "forming p50 ms", "forming p95 ms", "behind p50 ms", "behind p95 ms"]
+
+
+def batch_lines(summary: dict[str, Any]) -> list[str]:
+    batches, waits = batch_rows(summary)
+    out: list[str] = []
+    if batches:
+        out += ["", "Batches (requests per execution; fill = items / max size)"]
+        out.append(_table(BATCH_HEADERS, batches, "lrrrrr"))
+    if waits:
+        out += ["", "Batch waits (forming the batch / behind the previous batch)"]
+        out.append(_table(WAIT_HEADERS, waits, "lrrrrr"))
+    return out
+
+
+def _html_table(table_id: str, headers: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{_esc(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{_esc(v)}</td>" for v in row) + "</tr>" for row in rows)
+    return f'<table id="{table_id}"><tr>{head}</tr>{body}</table>'
 
 
 def _esc(value: Any) -> str:
@@ -165,6 +215,13 @@ def html_report(summary: dict[str, Any], slowest: list[tuple[Any, list[dict[str,
             ]
         )
     )
+    batches, waits = batch_rows(summary)
+    if batches or waits:
+        body.append("<h2>Batches</h2>")
+        if batches:
+            body.append(_html_table("batches", BATCH_HEADERS, batches))
+        if waits:
+            body.append(_html_table("batch-waits", WAIT_HEADERS, waits))
     body.append("<h2>Diagnoses</h2>")
     if not summary["diagnoses"]:
         body.append("<p>No diagnosis fired.</p>")

@@ -22,6 +22,7 @@ from stagetrace.analysis import (
     diagnose,
 )
 from stagetrace.analysis.diagnosis import ADVICE
+from stagetrace.exporter.spans import batch_from_attributes
 from stagetrace.report.loader import Span
 
 
@@ -97,6 +98,7 @@ def _sample(span: Span, parent_stage: str) -> StageSample:
         h2d_pinned=a.get(c.H2D_PINNED),
         gpu_utilization=_float(a.get(c.GPU_UTILIZATION)),
         queue_saturated=a.get(c.QUEUE_SATURATED),
+        batch=batch_from_attributes(a, (int(span.links[0][0], 16), int(span.links[0][1], 16)) if span.links else None),
     )
 
 
@@ -154,4 +156,29 @@ def waterfall(spans: list[Span], limit: int = 200) -> list[dict[str, Any]]:
                 "depth": depth,
             }
         )
+    return out
+
+
+def is_batch_trace(spans: list[Span]) -> bool:
+    """A batch's own trace (``stagetrace.batch()``): its root is the batch span. It has no verdict; its
+    stages are charged in its members' traces."""
+    return c.BATCH_ID in global_root(spans).attributes
+
+
+def batch_execution(spans: list[Span]) -> tuple[str, int, float | None]:
+    """(batch name, members, fill) of a batch trace."""
+    a = global_root(spans).attributes
+    size = a.get(c.BATCH_SIZE)
+    return global_root(spans).name, size if isinstance(size, int) else 0, _float(a.get(c.BATCH_FILL))
+
+
+def batch_waits(spans: list[Span]) -> list[tuple[str, float, float]]:
+    """(wait stage, formation ms, busy ms) for each batch wait in a member's trace."""
+    out = []
+    for s in spans:
+        formation = _float(s.attributes.get(c.BATCH_FORMATION_MS))
+        if formation is not None:
+            out.append(
+                (str(s.attributes.get(c.STAGE, s.name)), formation, _float(s.attributes.get(c.BATCH_BUSY_MS)) or 0.0)
+            )
     return out
