@@ -16,7 +16,6 @@ from typing import Any
 
 from stagetrace import _state
 from stagetrace._safety import report_internal_error
-from stagetrace.analysis.model import BatchInfo
 from stagetrace.capture.records import StageRecord
 from stagetrace.capture.stage import (
     _SPAN_KEY,
@@ -111,6 +110,7 @@ class Batch:
         "max_size",
         "members",
         "name",
+        "packed_sources",
         "size",
         "span_id",
         "start_ns",
@@ -139,6 +139,7 @@ class Batch:
         self.error: tuple[str, str, str] | None = None
         self.members: list[tuple[int, int, int, str, int, int]] = []  # for the batch span's links
         self.trace: Any = None  # the batch's own TraceRecord, where its stages are recorded once
+        self.packed_sources: dict[int, list[Any]] = {}  # its stages packed once for all members (helper thread)
         self._root: Any = None
 
     @property
@@ -243,20 +244,23 @@ class Batch:
         if previous is not None:
             busy_ns = max(0, min(previous[1], start) - max(previous[0], wait.start_ns))
         wait_ns = max(0, start - wait.start_ns)
-        info = BatchInfo(
+        # a plain tuple in BatchInfo's field order (building the NamedTuple per ticket costs the worker)
+        info = (
             self.id,
             self.size,
             self.items,
             member[0],
             member[1],
             self.max_size or 0,
-            formation_ms=(wait_ns - busy_ns) / 1e6,
-            busy_ms=busy_ns / 1e6,
+            0,
+            0,
+            (wait_ns - busy_ns) / 1e6,
+            busy_ns / 1e6,
         )
         trace = wait.trace
         if trace is None:  # a request whose root stagetrace does not hold: the wait goes on its own
             wait.end_ns = start
-            wait.batch = tuple(info)
+            wait.batch = info
             ticket.batch = self
             rt.shipper.submit_lone_stage(wait)
             return False
@@ -266,7 +270,7 @@ class Batch:
             else:
                 late = False
                 wait.end_ns = start
-                wait.batch = tuple(info)
+                wait.batch = info
                 ticket.member = member
                 ticket.batch = self
         if late:

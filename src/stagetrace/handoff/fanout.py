@@ -16,14 +16,18 @@ from typing import Any
 from stagetrace.analysis.model import BatchInfo
 from stagetrace.capture.records import StageRecord, TraceRecord
 from stagetrace.conventions import BATCH_ABANDONED
+from stagetrace.handoff.wire import STAGE_FIELDS, pack_stage
 
 _ID_MASK = (1 << 64) - 1
+
+
+_MEMBER_FIELDS = tuple(STAGE_FIELDS.index(f) for f in ("span_id", "parent_span_id", "parent_stage_id", "batch"))
 
 
 class MemberView:
     """One batch stage in one member's trace: the source's fields, with this member's ids and batch info."""
 
-    __slots__ = ("batch", "parent_span_id", "parent_stage_id", "source", "source_offset", "span_id")
+    __slots__ = ("batch", "packed_sources", "parent_span_id", "parent_stage_id", "source", "source_offset", "span_id")
 
     def __init__(
         self,
@@ -33,7 +37,9 @@ class MemberView:
         parent_span_id: int,
         parent_stage_id: int,
         batch: tuple[Any, ...],
+        packed_sources: dict[int, list[Any]],
     ) -> None:
+        self.packed_sources = packed_sources  # the batch's cache of packed source stages
         self.source = source
         self.source_offset = source_offset  # the batch trace's clock offset, for resolving GPU events
         self.span_id = span_id
@@ -43,6 +49,30 @@ class MemberView:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.source, name)
+
+    def pack(self, packed_sources: dict[int, list[Any]]) -> tuple[Any, ...]:
+        """The wire tuple: the source's, packed once per batch (after its CUDA events were read), with this
+        member's four fields put in."""
+        source = self.source
+        fields = packed_sources.get(source.span_id)
+        if fields is None:
+            fields = packed_sources[source.span_id] = list(pack_stage(source))
+        out = fields.copy()
+        i_span, i_parent, i_stage, i_batch = _MEMBER_FIELDS
+        out[i_span], out[i_parent], out[i_stage], out[i_batch] = (
+            self.span_id,
+            self.parent_span_id,
+            self.parent_stage_id,
+            self.batch,
+        )
+        return tuple(out)
+
+
+def pack_member_stage(stage: Any) -> tuple[Any, ...]:
+    """A member trace's stage as its wire tuple; a view reuses its source's packing."""
+    if type(stage) is MemberView:
+        return stage.pack(stage.packed_sources)
+    return pack_stage(stage)
 
 
 class MemberBatchStage:
@@ -148,6 +178,7 @@ def _batch_views(batch: Any, member: tuple[int, int, int], wait: StageRecord, ro
     root_span_id = batch.span_id
     source_ids = {s.span_id for s in sources}
     offset = batch.trace.perf_to_epoch_ns
+    packed = batch.packed_sources
     for s in sources:
         stage_parent = _mix(s.parent_stage_id, member_span_id) if s.parent_stage_id else member_span_id
         if s.parent_span_id == root_span_id:
@@ -156,5 +187,5 @@ def _batch_views(batch: Any, member: tuple[int, int, int], wait: StageRecord, ro
             parent = _mix(s.parent_span_id, member_span_id)
         else:  # under another instrumentation's span inside the batch: hang it on its nearest stage
             parent = stage_parent
-        out.append(MemberView(s, offset, _mix(s.span_id, member_span_id), parent, stage_parent, inner))
+        out.append(MemberView(s, offset, _mix(s.span_id, member_span_id), parent, stage_parent, inner, packed))
     return out

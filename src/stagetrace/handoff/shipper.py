@@ -330,7 +330,7 @@ class Shipper:
             trace.dropped_stages,
             gpu_utilization,
             packed_root,
-            tuple(map(wire.pack_stage, stages)),
+            tuple(map(fanout.pack_member_stage if tickets else wire.pack_stage, stages)),
             tuple(map(wire.pack_span, others)),
         )
 
