@@ -24,7 +24,7 @@ SVC = 'job=~"$service"'
 STAGE = "stagetrace_stage_duration_milliseconds"
 TRACE = "stagetrace_trace_duration_milliseconds"
 BATCH_SIZE = "stagetrace_batch_size"
-BATCH_FILL = 'stagetrace_batch_fill(_ratio)?'  # unit "1": the Collector adds _ratio, the Python exporter does not
+BATCH_FILL = "stagetrace_batch_fill(_ratio)?"  # unit "1": the Collector adds _ratio, the Python exporter does not
 RATE = "$__rate_interval"
 JAEGER_SLOW_SEARCH = "http://127.0.0.1:16686/search?service=${service}&tags=%7B%22stagetrace.slow%22%3A%22true%22%7D"
 

@@ -8,8 +8,10 @@ pynvml.NVMLError subclasses from nvidia-ml-py.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,6 +28,9 @@ class FakeGpu:
         self.capturing_thread: int | None = None
         self.events_created = 0
         self.default_stream = FakeStream(self)
+        self.current = threading.local()  # the calling thread's current device (torch.cuda.device)
+        self.queries_off_device = 0  # queries made while another device was current (would open a context)
+        self.thread_local_capture_threads: set[int] = set()
 
     def now(self) -> int:
         return time.perf_counter_ns() - self.base
@@ -50,8 +55,9 @@ class FakeStream:
 
 
 class FakeEvent:
-    def __init__(self, gpu: FakeGpu, enable_timing: bool = False) -> None:
+    def __init__(self, gpu: FakeGpu, enable_timing: bool = False, device: int = 0) -> None:
         self.gpu = gpu
+        self.device = device
         self.enable_timing = enable_timing
         self._t: int | None = None
         gpu.events_created += 1
@@ -63,6 +69,8 @@ class FakeEvent:
     def query(self) -> bool:
         if self.gpu.capturing and threading.get_ident() != self.gpu.capturing_thread:
             self.gpu.queries_during_capture += 1
+        if getattr(self.gpu.current, "device", 0) != self.device:
+            self.gpu.queries_off_device += 1
         if self._t is None:
             return True  # torch: "Always returns True if the Event was not recorded"
         return self.gpu.now() >= self._t
@@ -135,7 +143,23 @@ class FakeCudaBackend:
         return FakeStream(self.gpu)
 
     def new_event(self, device_index: int) -> FakeEvent:
-        return FakeEvent(self.gpu, enable_timing=True)
+        return FakeEvent(self.gpu, enable_timing=True, device=device_index)
+
+    @contextlib.contextmanager
+    def on_device(self, device_index: int) -> Iterator[None]:
+        previous = getattr(self.gpu.current, "device", 0)
+        self.gpu.current.device = device_index
+        try:
+            yield
+        finally:
+            self.gpu.current.device = previous
+
+    def is_pinned(self, tensor: Any) -> bool | None:
+        return bool(tensor.is_pinned()) if self._usable else None
+
+    def use_thread_local_capture_mode(self) -> bool:
+        self.gpu.thread_local_capture_threads.add(threading.get_ident())
+        return True
 
     def is_capturing(self) -> bool:
         return self.gpu.capturing and threading.get_ident() == self.gpu.capturing_thread
@@ -211,8 +235,10 @@ class FakeNvml:
         init_error: int | None = None,
         mig: bool = False,
         clock: str = "epoch",
+        idle: bool = False,
     ) -> None:
         self.utilization = utilization
+        self.idle = idle  # like the real driver: no samples are buffered while the GPU is idle
         self.period_us = int(period_ms * 1000)
         self.samples_supported = samples_supported
         self.init_error = init_error
@@ -254,6 +280,8 @@ class FakeNvml:
         self._called("nvmlDeviceGetSamples")
         if not self.samples_supported:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if self.idle:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
         now = self._now_us()
         ts = max(last_seen, self._start_us) + self.period_us
         out = []
@@ -271,3 +299,112 @@ class FakeNvml:
     def nvmlDeviceGetMemoryInfo(self, handle: str) -> Any:
         self._called("nvmlDeviceGetMemoryInfo")
         return SimpleNamespace(total=141 << 30, used=120 << 30, free=21 << 30)
+
+
+class FakeTorch:
+    """The ``torch`` surface ``TorchCudaBackend`` uses, over a FakeGpu, that notes every call that would
+    initialise CUDA or its driver before the application did (``torch.cuda.is_available`` runs cuInit,
+    ``current_device`` torch's lazy init, ``Tensor.is_pinned`` can create a context). A CUDA copy
+    initialises it, as in torch."""
+
+    def __init__(self, gpu: FakeGpu | None = None) -> None:
+        self.gpu = gpu or FakeGpu()
+        self.initialized = False
+        self.violations: list[str] = []
+        self.cuda = _FakeTorchCuda(self)
+
+    def device(self, dev: Any, index: int | None = None) -> FakeDevice:
+        if index is not None:
+            return FakeDevice(type=dev, index=index)
+        parsed = parse_device(dev)
+        return FakeDevice(type=parsed.type, index=None) if str(dev) == "cuda" else parsed
+
+    def guard(self, name: str) -> None:
+        if not self.initialized:
+            self.violations.append(name)
+
+    def tensor(self, nbytes: int, pinned: bool = False) -> FakeTorchTensor:
+        return FakeTorchTensor(self, nbytes, pinned)
+
+
+class _FakeTorchCuda:
+    def __init__(self, torch: FakeTorch) -> None:
+        self._torch = torch
+        gpu = torch.gpu
+
+        class Graph(FakeCUDAGraph):
+            def __init__(self) -> None:
+                super().__init__(gpu)
+
+        self.CUDAGraph = Graph
+
+    def is_initialized(self) -> bool:
+        return self._torch.initialized
+
+    def is_available(self) -> bool:
+        self._torch.guard("is_available")
+        return True
+
+    def current_device(self) -> int:
+        self._torch.guard("current_device")
+        return 0
+
+    def get_device_properties(self, index: int) -> Any:
+        self._torch.guard("get_device_properties")
+        return SimpleNamespace(uuid=f"fake-{index}")
+
+    def current_stream(self, device: int | None = None) -> FakeStream:
+        self._torch.guard("current_stream")
+        return self._torch.gpu.default_stream
+
+    def Stream(self, device: int | None = None) -> FakeStream:
+        self._torch.guard("Stream")
+        return FakeStream(self._torch.gpu)
+
+    def ExternalStream(self, handle: int, device: Any = None) -> FakeStream:
+        self._torch.guard("ExternalStream")
+        return FakeStream(self._torch.gpu)
+
+    def Event(self, enable_timing: bool = False) -> FakeEvent:
+        self._torch.guard("Event")
+        return FakeEvent(
+            self._torch.gpu, enable_timing=enable_timing, device=getattr(self._torch.gpu.current, "device", 0)
+        )
+
+    @contextlib.contextmanager
+    def device(self, index: int) -> Iterator[None]:
+        self._torch.guard("device")
+        gpu = self._torch.gpu
+        previous = getattr(gpu.current, "device", 0)
+        gpu.current.device = index
+        try:
+            yield
+        finally:
+            gpu.current.device = previous
+
+    def is_current_stream_capturing(self) -> bool:
+        gpu = self._torch.gpu
+        return gpu.capturing and threading.get_ident() == gpu.capturing_thread
+
+
+class FakeTorchTensor:
+    def __init__(self, torch: FakeTorch, nbytes: int, pinned: bool) -> None:
+        self.torch = torch
+        self.nbytes = nbytes
+        self.pinned = pinned
+
+    def numel(self) -> int:
+        return self.nbytes // 4
+
+    def element_size(self) -> int:
+        return 4
+
+    def is_pinned(self) -> bool:
+        self.torch.guard("Tensor.is_pinned")
+        return self.pinned
+
+    def to(self, device: Any, non_blocking: bool = False) -> FakeTorchTensor:
+        if parse_device(device).type == "cuda":
+            self.torch.initialized = True  # the application's first CUDA call initialises it
+            self.torch.gpu.default_stream.enqueue(0.05)
+        return FakeTorchTensor(self.torch, self.nbytes, False)

@@ -122,7 +122,8 @@ def test_events_are_pooled_not_created_per_stage(gpu_world):
         with stagetrace.pipeline("r"):
             classic_pipeline(gpu)
         h.flush()
-    assert support.pool.created(0) <= 12  # 6 per pipeline in flight, reused once read
+    # 6 per pipeline in flight, reused once read; plus the clock anchors (4 kept, a few per calibration)
+    assert support.pool.outstanding(0) <= 12 + 4 + support.timer.anchor_attempts
     assert len(h.verdicts) == 30
 
 
@@ -231,7 +232,8 @@ def test_cpu_only_torch_paths_record_bytes_and_fall_back_to_wall_time(harness):
     assert torch.equal(out, x * 2)
     spans = {s.name: s for s in harness.spans()}
     assert spans["h2d"].attributes[c.H2D_BYTES] == 4000
-    assert spans["h2d"].attributes[c.H2D_PINNED] is False
+    # pinned-ness is asked only once the application initialised CUDA (is_pinned() can create a context)
+    assert c.H2D_PINNED not in spans["h2d"].attributes
     assert spans["h2d"].attributes[c.STAGE_KIND] == "h2d"
     assert c.GPU_DURATION_MS not in spans["infer"].attributes
     assert spans["d2h"].attributes["stagetrace.d2h.bytes"] == 4000

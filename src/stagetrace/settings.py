@@ -63,6 +63,7 @@ class Settings:
     # e2e load), so fewer, larger batches are cheaper; verdicts arrive up to this late.
     poll_interval_s: float = 0.05
     gpu_wait_timeout_s: float = 30.0
+    max_parked: int = 10_000  # finished traces waiting for their CUDA events; past it the oldest go as they are
     slow_log_per_minute: int = 60
     shutdown_timeout_s: float = 5.0
     record_query_strings: bool = field(default_factory=lambda: env_flag("STAGETRACE_RECORD_QUERY_STRINGS"))

@@ -26,6 +26,9 @@ def _gpu_start(rec: StageRecord | None, device: Any) -> None:
     gpu = getattr(rec.runtime, "gpu", None)
     if gpu is None:
         return
+    trace = rec.trace
+    if trace is not None and len(trace.stages) >= rec.runtime.max_stages_per_trace:
+        return  # the stage will be dropped at the per-trace bound: no events to waste on it
     try:
         gpu.start(rec, gpu.backend.device_index(device) if device is not None else _default_device(gpu))
     except Exception:
@@ -101,13 +104,16 @@ def gpu_stage(name: str, device: Any = None) -> GpuStage:
 
 
 def _note_copy(rec: StageRecord | None, tensor: Any, kind: str) -> None:
+    """Bytes, and for an H2D copy whether the source was pinned: asked only once the application has
+    initialised CUDA (``Tensor.is_pinned`` can create a CUDA context), else left unknown."""
     if rec is None:
         return
     try:
         nbytes = int(tensor.numel()) * int(tensor.element_size())
         if kind == "h2d":
             rec.h2d_bytes = nbytes
-            rec.h2d_pinned = bool(tensor.is_pinned())
+            gpu = getattr(rec.runtime, "gpu", None)
+            rec.h2d_pinned = gpu.backend.is_pinned(tensor) if gpu is not None else None
         else:
             rec.set_attribute(D2H_BYTES, nbytes)
     except Exception:
@@ -119,15 +125,16 @@ def timed_copy(name: str, kind: str, tensor: Any, event_device: Any, copy: Calla
     bytes, pinned-ness, and CUDA events around it on ``event_device``'s current stream. Returns exactly
     what ``copy()`` returns."""
     rec = enter_stage(name, kind)
-    _note_copy(rec, tensor, kind)
     _gpu_start(rec, event_device)
     try:
         out = copy()
     except BaseException as e:
         _gpu_finish(rec)
+        _note_copy(rec, tensor, kind)
         exit_stage(rec, e)
         raise
     _gpu_finish(rec)
+    _note_copy(rec, tensor, kind)  # after the copy, which is what initialises CUDA in a fresh process
     exit_stage(rec, None)
     return out
 

@@ -237,6 +237,8 @@ def exit_stage(rec: StageRecord | None, exc: BaseException | None, end_ns: int |
                         trace.stages.append(rec)
                     else:
                         trace.dropped_stages += 1
+                        if rec.gpu is not None:
+                            rt.gpu.forget(rec)  # its CUDA events go back to the pool's count
                     trace = None
         if trace is not None or rec.trace is None:
             rt.shipper.submit_lone_stage(rec)  # after the root ended (background work), or untracked

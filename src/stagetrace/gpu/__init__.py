@@ -107,14 +107,24 @@ class GpuSupport:
             report_internal_error("NVML start")
 
     def ready(self, stages: Any, end_epoch_ns: int | None) -> bool:
+        """The stages' CUDA events have completed, and NVML's sample for the trace's end has arrived or
+        will not come soon: a trace waits for utilisation at most about two sample periods
+        (``NvmlSampler.settled``), never for an idle GPU's silence."""
         for rec in stages:
             if rec.gpu is not None and not self.timer.ready(rec):
                 return False
         if end_epoch_ns is not None:
             for sampler in self.samplers.values():
-                if not sampler.covers(end_epoch_ns):
+                if not sampler.settled(end_epoch_ns):
                     return False
         return True
+
+    def forget(self, rec: Any) -> None:
+        """A stage dropped before its events were read (a bound reached): its events are discarded."""
+        g = rec.gpu
+        if g is not None:
+            rec.gpu = None
+            self.timer.forget(g)
 
     def resolve(self, rec: Any, perf_to_epoch_ns: int) -> dict[str, Any]:
         out = self.timer.resolve(rec, perf_to_epoch_ns) if rec.gpu is not None else {}
@@ -131,15 +141,22 @@ class GpuSupport:
                 out["gpu_memory_used"] = sampler.memory_used_bytes
         return out
 
-    def apply(self, rec: Any, perf_to_epoch_ns: int) -> None:
+    def apply(self, rec: Any, perf_to_epoch_ns: int, not_after_ns: int | None = None) -> None:
         """Resolve the stage's CUDA events and NVML window into numbers on the record. With a clock anchor
-        the stage moves to where its GPU work really ran, and its host-side duration is kept."""
+        the stage moves to where its GPU work really ran (its host-side duration and the anchor's error bar
+        kept as attributes). ``not_after_ns`` (perf ns, the trace's end): a placement that the anchor's
+        error pushed past it is moved back to end there, so the stage is never lost from the verdict."""
         gpu = self.resolve(rec, perf_to_epoch_ns)
         if not gpu:
             return
         if "gpu_start_ns" in gpu:
             rec.set_attribute(c.HOST_DURATION_MS, round(rec.wall_ms, 3))
-            rec.start_ns, rec.end_ns = gpu["gpu_start_ns"], gpu["gpu_end_ns"]
+            rec.set_attribute(c.GPU_PLACEMENT_ERROR_US, round(gpu["placement_error_ns"] / 1000, 1))
+            start, end = gpu["gpu_start_ns"], gpu["gpu_end_ns"]
+            if not_after_ns is not None and rec.start_ns < not_after_ns <= start:
+                start, end = max(rec.start_ns, not_after_ns - (end - start)), not_after_ns
+                rec.set_attribute(c.GPU_PLACEMENT_CLAMPED, True)
+            rec.start_ns, rec.end_ns = start, end
         if "gpu_ms" in gpu:
             rec.gpu_ms = gpu["gpu_ms"]
         if "gpu_utilization" in gpu:

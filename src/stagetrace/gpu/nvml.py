@@ -114,6 +114,9 @@ class NvmlSampler:
                 "stagetrace: GPU utilisation off: nvidia-ml-py is not installed (pip install 'stagetrace[gpu]')",
             )
             return False
+        if self.device_uuid and self.device_uuid.startswith("MIG-"):
+            warn_once("nvml-mig", "stagetrace: GPU utilisation off: %s", MIG_MESSAGE)
+            return False
         try:
             nvml.nvmlInit()
             if self.device_uuid:
@@ -139,7 +142,7 @@ class NvmlSampler:
         except nvml.NVMLError:
             return  # not supported on this GPU: no MIG
         if current == getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1):
-            raise _MigUnsupported("MIG is enabled and NVML does not report utilisation on MIG devices")
+            raise _MigUnsupported(MIG_MESSAGE)
 
     def stop(self) -> None:
         self._stop.set()
@@ -164,6 +167,7 @@ class NvmlSampler:
     def _poll_once(self) -> None:
         nvml = self._nvml
         new: list[tuple[int, float]] = []
+        stand_in = False
         if self._use_samples_api:
             try:
                 _vtype, raw = nvml.nvmlDeviceGetSamples(self._handle, nvml.NVML_GPU_UTILIZATION_SAMPLES, self._last_ts)
@@ -172,7 +176,11 @@ class NvmlSampler:
                     self._detect_clock(max(ts for ts, _ in new))
             except nvml.NVMLError as e:
                 if getattr(e, "value", None) == nvml.NVML_ERROR_NOT_FOUND:
-                    new = []  # nothing new (idle GPU)
+                    # Nothing new: the driver stops buffering samples while the GPU is idle. The current
+                    # rate (0 when idle) stands in, so that windows over the idle spell have a value.
+                    rates = nvml.nvmlDeviceGetUtilizationRates(self._handle)
+                    new = [(time.time_ns() // 1000 - self._clock_offset_us, float(rates.gpu) / 100.0)]
+                    stand_in = True
                 elif getattr(e, "value", None) == nvml.NVML_ERROR_NOT_SUPPORTED:
                     self._use_samples_api = False
                     logger.info("stagetrace: nvmlDeviceGetSamples not supported; polling utilisation rates")
@@ -181,10 +189,12 @@ class NvmlSampler:
         if not self._use_samples_api:
             rates = nvml.nvmlDeviceGetUtilizationRates(self._handle)
             new = [(time.time_ns() // 1000, float(rates.gpu) / 100.0)]
+            stand_in = True
             self._clock_offset_us = 0
         if new:
             new.sort()
-            self._last_ts = max(self._last_ts, new[-1][0])
+            if not stand_in:  # lastSeen follows the driver's own samples only (its clock may not be epoch)
+                self._last_ts = max(self._last_ts, new[-1][0])
             shifted = [(ts + self._clock_offset_us, v) for ts, v in new]
             with self._lock:
                 before = len(self._samples)
@@ -237,6 +247,17 @@ class NvmlSampler:
         with self._lock:
             newest = self._samples[-1][0] if self._samples else 0
         return newest * 1000 >= end_epoch_ns
+
+    def settled(self, end_epoch_ns: int, now_epoch_ns: int | None = None) -> bool:
+        """Worth no more waiting for: the covering sample arrived, or two polls have passed since
+        ``end_epoch_ns`` (an idle GPU's sample buffer stops filling; the window then uses what there is)."""
+        if self.covers(end_epoch_ns):
+            return True
+        now = time.time_ns() if now_epoch_ns is None else now_epoch_ns
+        return now - end_epoch_ns >= 2 * max(self.period_us * 1000, self.poll_interval_s * 1e9)
+
+
+MIG_MESSAGE = "the device is a MIG instance (or MIG is enabled), and NVML does not report utilisation for MIG"
 
 
 class _MigUnsupported(Exception):

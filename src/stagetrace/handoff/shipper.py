@@ -61,14 +61,14 @@ class _LoneSpan:
         self.span = span
 
 
-def resolve_gpu_once(gpu: Any, rec: Any, offset: int) -> None:
+def resolve_gpu_once(gpu: Any, rec: Any, offset: int, not_after_ns: int | None = None) -> None:
     """Turn a stage's CUDA events and NVML window into numbers, once: a batch's stage is shipped with its
     own trace and with every member's (as views, resolved on their source with the batch's clock offset)."""
     if type(rec) is fanout.MemberView:
-        rec, offset = rec.source, rec.source_offset
+        rec, offset, not_after_ns = rec.source, rec.source_offset, None
     if type(rec) is StageRecord and not rec.gpu_resolved:
         rec.gpu_resolved = True
-        gpu.apply(rec, offset)
+        gpu.apply(rec, offset, not_after_ns)
 
 
 class Shipper:
@@ -130,14 +130,14 @@ class Shipper:
                         report_internal_error("sampler start")
 
     def _submit(self, item: Any) -> bool:
-        if self._thread is None:  # not started yet, or forked: the at-fork hook reset it
-            if self._stopped:
-                return False
+        if self._thread is None and not self._stopped:  # not started yet, or forked (the at-fork hook reset it)
             self.start()
         if self._stopped:
+            self.forget_gpu(item)
             return False
         if len(self._items) >= self.settings.queue_size:
             self.app_metrics.dropped("handoff_queue_full")
+            self.forget_gpu(item)
             return False
         self._items.append(item)
         if self._sleeping:
@@ -253,7 +253,8 @@ class Shipper:
         if now - self._last_sweep >= self.settings.sweep_interval_s:
             self._last_sweep = now
             try:
-                self.registry.evict_expired()
+                for trace in self.registry.evict_expired():
+                    self.forget_gpu((trace, None))
             except Exception:
                 report_internal_error("registry sweep")
 
@@ -271,17 +272,34 @@ class Shipper:
         return gpu.ready(stages, item[1].end_time)
 
     def _drain_parked(self, messages: list[tuple[Any, ...]], force: bool) -> None:
+        """Ship the parked traces whose events completed. One that waited past ``gpu_wait_timeout_s``, or the
+        oldest ones past ``max_parked`` waiting, go as they are (their unread events are discarded and their
+        GPU stages keep wall time), counted."""
         now = time.monotonic()
         still: list[tuple[float, Any]] = []
+        overflow = len(self._parked) - self.settings.max_parked
         for since, item in self._parked:
-            expired = now - since > self.settings.gpu_wait_timeout_s
-            if force or expired or self._gpu_ready(item):
-                if expired and not force:
-                    self.app_metrics.dropped("gpu_event_timeout")
+            if force or self._gpu_ready(item):
+                self._pack_into(messages, item)
+            elif now - since > self.settings.gpu_wait_timeout_s or overflow > 0:
+                self.app_metrics.dropped("gpu_event_timeout" if overflow <= 0 else "gpu_parked_full")
+                overflow -= 1
                 self._pack_into(messages, item)
             else:
                 still.append((since, item))
         self._parked = still
+
+    def forget_gpu(self, item: Any) -> None:
+        """Discard the CUDA events of what is dropped before it was shipped, so that the pool stays whole."""
+        gpu = self.gpu
+        if gpu is None or isinstance(item, (_LoneSpan, _FlushMarker)):
+            return
+        try:
+            stages = [item] if isinstance(item, StageRecord) else list(item[0].stages)
+            for rec in stages:
+                gpu.forget(rec)
+        except Exception:
+            report_internal_error("discarding CUDA events")
 
     # --- packing ---------------------------------------------------------------------------------------
     def _pack_into(self, messages: list[tuple[Any, ...]], item: Any) -> None:
@@ -314,8 +332,9 @@ class Shipper:
         gpu_utilization = None
         gpu = self.gpu
         if gpu is not None:
+            root_end_perf = (root.end_time or 0) - offset
             for rec in stages:
-                resolve_gpu_once(gpu, rec, offset)
+                resolve_gpu_once(gpu, rec, offset, root_end_perf)
             gpu_utilization = gpu.trace_utilization(root.start_time or 0, root.end_time or 0)
         ctx = root.context
         packed_root = wire.pack_span(root)
