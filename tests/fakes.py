@@ -35,6 +35,19 @@ class FakeGpu:
     def now(self) -> int:
         return time.perf_counter_ns() - self.base
 
+    def current_stream(self) -> FakeStream:
+        """The calling thread's current stream (``torch.cuda.stream(s)``), else the default stream."""
+        return getattr(self.current, "stream", None) or self.default_stream
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream) -> Iterator[None]:
+        previous = getattr(self.current, "stream", None)
+        self.current.stream = stream
+        try:
+            yield
+        finally:
+            self.current.stream = previous
+
 
 class FakeStream:
     def __init__(self, gpu: FakeGpu) -> None:
@@ -63,7 +76,7 @@ class FakeEvent:
         gpu.events_created += 1
 
     def record(self, stream: FakeStream | None = None) -> None:
-        stream = stream or self.gpu.default_stream
+        stream = stream or self.gpu.current_stream()
         self._t = max(stream.tail, self.gpu.now())
 
     def query(self) -> bool:
@@ -137,7 +150,7 @@ class FakeCudaBackend:
         return dev.index if dev.type == "cuda" else None
 
     def current_stream(self, device_index: int | None = None) -> FakeStream:
-        return self.gpu.default_stream
+        return self.gpu.current_stream()
 
     def new_side_stream(self, device_index: int) -> FakeStream:
         return FakeStream(self.gpu)
@@ -213,8 +226,8 @@ class FakeTensor:
 
 
 def fake_model(x: FakeTensor, ms: float = 40.0) -> FakeTensor:
-    """Launches ``ms`` of kernels and returns at once, like a real forward pass."""
-    x.gpu.default_stream.enqueue(ms)
+    """Launches ``ms`` of kernels on the current stream and returns at once, like a real forward pass."""
+    x.gpu.current_stream().enqueue(ms)
     return FakeTensor(x.gpu, 4096, "cuda:0")
 
 

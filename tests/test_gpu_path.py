@@ -276,3 +276,92 @@ def test_no_query_overlaps_a_capture_that_starts_while_traces_resolve(make_harne
     assert backend.gpu.queries_during_capture == 0
     assert len(h.verdicts) == 201
     assert support.guard.capturing is False
+
+
+# --- item 7: what a GPU stage's time means under concurrency ---------------------------------------------
+
+
+@pytest.mark.parametrize("per_request_streams", [False, True])
+def test_concurrent_requests_on_one_stream_bracket_each_others_kernels(make_harness, per_request_streams):
+    """Two requests launch 20 ms of kernels each, interleaved. On the shared default stream, the first one's
+    end event lands after the second's kernels: its stage reads ~40 ms. On a stream per request each reads
+    its own ~20 ms. (The README's "GPU stages under concurrency".)"""
+    h = make_harness(gpu=False)
+    backend = FakeCudaBackend()
+    attach_gpu(h.handle.runtime, backend=backend, nvml_enabled=False)
+    gpu = backend.gpu
+    launched = threading.Barrier(2)
+    both = threading.Barrier(2)
+
+    def request(first: bool) -> None:
+        from fakes import FakeStream
+
+        stream = FakeStream(gpu) if per_request_streams else gpu.default_stream
+        with gpu.stream(stream), stagetrace.pipeline("first" if first else "second"):
+            if not first:
+                launched.wait()  # the second launches after the first
+            with stagetrace.gpu_stage("infer"):
+                fake_model(FakeTensor(gpu, 8), ms=20)
+                if first:
+                    launched.wait()
+                    both.wait()  # the first records its end event after the second launched
+            if not first:
+                both.wait()
+            stream.wait_host()
+
+    threads = [threading.Thread(target=request, args=(f,)) for f in (True, False)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    verdicts = {v.root_name: v.breakdown["infer"] for v in h.wait_verdicts(2)}
+    assert 18 <= verdicts["second"] <= 25
+    if per_request_streams:
+        assert 18 <= verdicts["first"] <= 25
+    else:
+        assert 38 <= verdicts["first"] <= 45  # its events bracket the second request's kernels too
+
+
+# --- item 8: the first GPU run's own logic, checked here -------------------------------------------------
+
+
+def _benchmark_module(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_cuts_cupti_records_into_requests():
+    gpu_check = _benchmark_module("gpu_check")
+    events = []
+    for i in range(3):  # per request: a copy in, two kernels with a launch gap, a copy out; a memset ignored
+        t = i * 1000.0
+        events += [
+            ("Memcpy HtoD (Pinned -> Device)", t, 100.0),
+            ("ampere_sgemm_128x64_tn", t + 110, 200.0),
+            ("Memset (Device)", t + 312, 1.0),
+            ("void elementwise_kernel", t + 320, 30.0),
+            ("Memcpy DtoH (Device -> Pageable)", t + 360, 80.0),
+        ]
+    events.append(("Memcpy DtoH (Device -> Pageable)", 5000.0, 10.0))  # a stray copy outside a request
+    out = gpu_check.truth_per_request(reversed(events))
+    assert out == [{"h2d": 0.1, "infer": 0.24, "d2h": 0.08}] * 3
+    assert gpu_check.within(1.04, 1.0) and not gpu_check.within(1.06, 1.0)
+    assert gpu_check.within(0.03, 0.015)  # 20 us of slack for tiny stages
+
+
+def test_gpu_session_script_is_valid_and_runs_its_steps_in_order():
+    import re
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_session.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    steps = re.findall(r"^step (\S+) (\d+) ", script.read_text(), flags=re.M)
+    assert [s for s, _ in steps] == ["env", "nvml", "cuda-tests", "anchors", "capture", "dtype", "gpu-check"]
+    assert sum(int(limit) for _, limit in steps) < 600  # every step bounded, the whole within one 10-minute device call
