@@ -1,12 +1,62 @@
-"""Every read of another library's private attributes, in one place, each checked by
-``tests/test_compat.py`` so that an OpenTelemetry or Python release that moves them fails loudly there
-instead of silently switching a feature off."""
+"""Every use of another library's private attributes, in one place, each assumption checked by
+``tests/test_compat.py`` so that an OpenTelemetry or Python release that moves one fails loudly there instead
+of silently switching a feature off. Where a public API does the job (at the cost it can afford), the
+caller uses it instead.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from typing import Any
 
-from opentelemetry.sdk.trace import SpanProcessor
+from opentelemetry import context as otel_context
+from opentelemetry import metrics as metrics_api
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.sampling import Sampler
+from opentelemetry.trace import SpanContext, TraceFlags, propagation
+
+# --- the API's context: read and set on every stage entry and exit ---------------------------------------
+
+# The context key under which the API keeps the current span. ``trace.get_current_span(ctx)`` reads it
+# publicly, but a stage entry needs the raw value (and sets it in a copied context) without the extra calls.
+SPAN_KEY: str = propagation._SPAN_KEY
+
+
+def runtime_context_var() -> ContextVar[Any] | None:
+    """The ContextVar behind OpenTelemetry's default runtime context (``_RUNTIME_CONTEXT._current_context``),
+    when that is what is in use: reading and setting it directly skips two wrapper layers on every stage
+    entry and exit (about a third of the hot path). None with any other runtime context (then the public
+    ``attach``/``detach`` are used)."""
+    runtime_context = getattr(otel_context, "_RUNTIME_CONTEXT", None)
+    try:
+        from opentelemetry.context.contextvars_context import ContextVarsRuntimeContext
+    except ImportError:  # pragma: no cover - a layout change in a future API; test_compat fails first
+        return None
+    if type(runtime_context) is ContextVarsRuntimeContext:
+        var = getattr(runtime_context, "_current_context", None)
+        return var if isinstance(var, ContextVar) else None
+    return None
+
+
+def span_context_is_a_plain_tuple() -> bool:
+    """SpanContext is a tuple (trace_id, span_id, is_remote, trace_flags, trace_state, is_valid); unpacking
+    it is one C-level operation where five property reads are five Python calls. Checked, not assumed."""
+    probe = SpanContext(0xA, 0xB, False, TraceFlags(1))
+    return isinstance(probe, tuple) and len(probe) == 6 and tuple(probe[:3]) == (0xA, 0xB, False) and probe[5]
+
+
+# ``asyncio.get_running_loop()`` raises when there is none; a stage entry asks on every sync stage, and
+# the exception costs more than the whole entry. ``_get_running_loop`` (in ``asyncio.events.__all__``)
+# returns None instead.
+running_loop_or_none: Callable[[], asyncio.AbstractEventLoop | None] = asyncio.events._get_running_loop
+
+
+# --- the SDK's span processor chain ------------------------------------------------------------------------
 
 
 def span_processors_under(processor: SpanProcessor) -> list[SpanProcessor]:
@@ -30,3 +80,77 @@ def batch_queue_full(processor: SpanProcessor) -> bool:
         if queue is not None and limit is not None and len(queue) >= limit:
             return True
     return False
+
+
+class ProcessorChain:
+    """A TracerProvider's own processor chain (``_active_span_processor``: its ``_span_processors`` tuple and
+    ``_lock``), for ``attach()``, which puts stagetrace in front of the processors already there. The SDK
+    has no public way to insert a processor first or to remove one."""
+
+    def __init__(self, provider: TracerProvider) -> None:
+        multi = getattr(provider, "_active_span_processor", None)
+        if not isinstance(getattr(multi, "_span_processors", None), tuple) or not hasattr(multi, "_lock"):
+            raise TypeError("stagetrace.attach() needs an SDK TracerProvider with the standard processor chain")
+        self._multi: Any = multi
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        with self._multi._lock:
+            yield
+
+    @property
+    def processors(self) -> tuple[SpanProcessor, ...]:
+        return tuple(self._multi._span_processors)
+
+    @processors.setter
+    def processors(self, value: tuple[SpanProcessor, ...]) -> None:
+        self._multi._span_processors = tuple(value)
+
+
+def set_processors(multi: Any, processors: tuple[SpanProcessor, ...]) -> None:
+    """Give a SynchronousMultiSpanProcessor this exact tuple of processors (its ``_span_processors``)."""
+    with multi._lock:
+        multi._span_processors = tuple(processors)
+
+
+def processors_of(multi: Any) -> tuple[SpanProcessor, ...]:
+    """A SynchronousMultiSpanProcessor's own processors, one level (its ``_span_processors``)."""
+    return tuple(multi._span_processors)
+
+
+def sampler_from_env() -> Sampler:
+    """The sampler ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG`` name, as the SDK's TracerProvider
+    would build it (``sampling._get_from_env_or_default``; the SDK has no public function for it)."""
+    from opentelemetry.sdk.trace import sampling
+
+    return sampling._get_from_env_or_default()
+
+
+# --- the API's global meter provider ---------------------------------------------------------------------
+
+
+def meter_provider_is_unset() -> bool:
+    """Is the global meter provider still the API's placeholder (``_internal._ProxyMeterProvider``)? Setting
+    it twice only logs a warning, so stagetrace asks before it sets."""
+    proxy = getattr(getattr(metrics_api, "_internal", None), "_ProxyMeterProvider", None)
+    return proxy is not None and isinstance(metrics_api.get_meter_provider(), proxy)
+
+
+# --- the standard library's ThreadPoolExecutor ------------------------------------------------------------
+
+
+def executor_saturated(pool: ThreadPoolExecutor) -> bool | None:
+    """Every worker busy, or tasks already queued (``_work_queue``, ``_threads``, ``_max_workers``,
+    ``_idle_semaphore``): the executor has no public view of its load. None when the layout differs."""
+    try:
+        if pool._work_queue.qsize() > 0:
+            return True
+        idle: threading.Semaphore = pool._idle_semaphore
+        return len(pool._threads) >= pool._max_workers and idle._value == 0
+    except AttributeError:
+        return None
+
+
+def executor_thread_name_prefix(pool: ThreadPoolExecutor) -> str:
+    """The ``thread_name_prefix`` the pool was made with (``_thread_name_prefix``), or ''."""
+    return str(getattr(pool, "_thread_name_prefix", "") or "")

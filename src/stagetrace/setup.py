@@ -18,9 +18,16 @@ from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import PROCESS_PID, SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import SpanProcessor, SynchronousMultiSpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.sampling import Sampler, _get_from_env_or_default
+from opentelemetry.sdk.trace.sampling import Sampler
 
 from stagetrace import _state
+from stagetrace._compat import (
+    ProcessorChain,
+    meter_provider_is_unset,
+    processors_of,
+    sampler_from_env,
+    set_processors,
+)
 from stagetrace._safety import logger
 from stagetrace.analysis import DiagnosisThresholds, Verdict
 from stagetrace.export.env import (
@@ -195,7 +202,7 @@ def configure(
 
     tracer_provider = TracerProvider(
         resource=resource,
-        sampler=LocalRootRecordingSampler(sampler or _get_from_env_or_default()),
+        sampler=LocalRootRecordingSampler(sampler or sampler_from_env()),
         shutdown_on_exit=False,
     )
     meter_provider = MeterProvider(metric_readers=app_readers, resource=resource, shutdown_on_exit=False)
@@ -280,9 +287,7 @@ def attach(
     """Put stagetrace in front of an existing SDK TracerProvider's processors (a user's distro, configurator
     or own setup): their exporters then receive the verdict-bearing roots and the stage spans. Nothing of
     theirs is replaced; ``handle.shutdown()`` restores the processors as they were."""
-    multi = getattr(tracer_provider, "_active_span_processor", None)
-    if not isinstance(getattr(multi, "_span_processors", None), tuple) or not hasattr(multi, "_lock"):
-        raise TypeError("stagetrace.attach() needs an SDK TracerProvider with the standard processor chain")
+    chain = ProcessorChain(tracer_provider)
     settings = settings or Settings(slow_threshold_ms=slow_threshold_from_env())
     settings.validate()
     callbacks = _as_list(on_verdict)
@@ -301,9 +306,8 @@ def attach(
             return_verdicts=bool(callbacks),
         )
 
-    with multi._lock:
-        original = multi._span_processors
-        downstream._span_processors = original
+    with chain.locked():
+        set_processors(downstream, chain.processors)
     runtime = Runtime(
         tracer_provider=tracer_provider,
         meter_provider=meters,
@@ -314,14 +318,13 @@ def attach(
         exporter_config=exporter_config,
         install=False,
     )
-    with multi._lock:
-        multi._span_processors = (runtime.processor,)
+    with chain.locked():
+        chain.processors = (runtime.processor,)
 
     def detach() -> None:
-        with multi._lock:
-            current = multi._span_processors
-            added_since = tuple(p for p in current if p is not runtime.processor)
-            multi._span_processors = downstream._span_processors + added_since
+        with chain.locked():
+            added_since = tuple(p for p in chain.processors if p is not runtime.processor)
+            chain.processors = processors_of(downstream) + added_since
 
     if gpu is not False:
         _enable_gpu(runtime, required=gpu is True)
@@ -352,7 +355,7 @@ def _set_globals(tracer_provider: TracerProvider, meter_provider: MeterProvider)
         trace_api.set_tracer_provider(tracer_provider)
     else:
         logger.debug("stagetrace: a global TracerProvider is already set; stagetrace uses its own")
-    if isinstance(metrics_api.get_meter_provider(), metrics_api._internal._ProxyMeterProvider):
+    if meter_provider_is_unset():
         metrics_api.set_meter_provider(meter_provider)
 
 

@@ -12,16 +12,16 @@ import inspect
 import random
 import time
 import traceback
-from asyncio import _get_running_loop
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from opentelemetry import context as otel_context
 from opentelemetry.context import Context, attach, create_key, detach, get_current
 from opentelemetry.trace import Status, StatusCode, set_span_in_context
-from opentelemetry.trace.propagation import _SPAN_KEY
 
 from stagetrace import _state
+from stagetrace._compat import SPAN_KEY as _SPAN_KEY
+from stagetrace._compat import running_loop_or_none as _get_running_loop
+from stagetrace._compat import runtime_context_var, span_context_is_a_plain_tuple
 from stagetrace._safety import report_internal_error, warn_once
 from stagetrace.capture.records import StageRecord
 from stagetrace.conventions import STAGE_KINDS
@@ -39,33 +39,8 @@ _thread_time_ns = time.thread_time_ns
 _getrandbits = random.getrandbits  # reseeded in forked children by the random module
 
 
-def _context_var() -> Any:
-    """The ContextVar behind OpenTelemetry's default runtime context, when that is what is in use.
-
-    Reading and setting it directly skips two wrapper layers on every stage entry and exit (about a third
-    of the hot path). Any other runtime context (OTEL_PYTHON_CONTEXT) keeps the public API.
-    """
-    runtime_context = getattr(otel_context, "_RUNTIME_CONTEXT", None)
-    try:
-        from opentelemetry.context.contextvars_context import ContextVarsRuntimeContext
-    except ImportError:  # pragma: no cover - layout change in a future API
-        return None
-    if type(runtime_context) is ContextVarsRuntimeContext:
-        return getattr(runtime_context, "_current_context", None)
-    return None
-
-
-def _span_context_is_a_plain_tuple() -> bool:
-    """SpanContext is a tuple (trace_id, span_id, is_remote, trace_flags, trace_state, is_valid); unpacking
-    it is one C-level operation where five property reads are five Python calls. Checked, not assumed."""
-    from opentelemetry.trace import SpanContext, TraceFlags
-
-    probe = SpanContext(0xA, 0xB, False, TraceFlags(1))
-    return isinstance(probe, tuple) and len(probe) == 6 and tuple(probe[:3]) == (0xA, 0xB, False) and probe[5]
-
-
-_UNPACK_SPAN_CONTEXT = _span_context_is_a_plain_tuple()
-_CV = _context_var()
+_UNPACK_SPAN_CONTEXT = span_context_is_a_plain_tuple()
+_CV = runtime_context_var()
 if _CV is not None:
     _get_context = _CV.get
     _set_context = _CV.set

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from opentelemetry.context import Context, attach, detach, get_current
-from opentelemetry.trace.propagation import _SPAN_KEY
+from opentelemetry.trace import get_current_span
 
 from stagetrace import _state
 from stagetrace.capture.records import StageRecord
@@ -56,8 +56,8 @@ def leaked_context(ctx: Context) -> bool:
     body pauses reading, the app resumes it from inside its request task, and asyncio registers the new
     reader callback with a copy of that task's context, so every later request on the keep-alive connection
     starts inside the previous request's (finished) server span and would become its child."""
-    span = ctx.get(_SPAN_KEY)
-    if span is None:
+    span = get_current_span(ctx)
+    if not span.get_span_context().is_valid:
         return False
     end = getattr(span, "end_time", None)
     if end is None and isinstance(span, StageRecord):

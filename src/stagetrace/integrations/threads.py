@@ -19,20 +19,10 @@ from typing import Any
 from opentelemetry.trace import get_current_span
 
 from stagetrace import _state
+from stagetrace._compat import executor_saturated, executor_thread_name_prefix
 from stagetrace.capture.stage import add_stage
 from stagetrace.integrations._common import Patch
 from stagetrace.integrations.asgi import MIN_WAIT_NS
-
-
-def _saturated(pool: Any) -> bool | None:
-    """Every worker busy, or tasks already queued, at submission (reads the pool's own bookkeeping)."""
-    try:
-        if pool._work_queue.qsize() > 0:
-            return True
-        return len(pool._threads) >= pool._max_workers and pool._idle_semaphore._value == 0
-    except AttributeError:
-        return None
-
 
 _UNNAMED_POOL = re.compile(r"ThreadPoolExecutor-\d+")
 
@@ -40,7 +30,7 @@ _UNNAMED_POOL = re.compile(r"ThreadPoolExecutor-\d+")
 def _wait_stage_name(pool: Any) -> str:
     """``<thread_name_prefix>.wait``; unnamed pools (prefix ``ThreadPoolExecutor-<n>``, unique per pool)
     share ``executor.wait`` so stage names stay low-cardinality."""
-    prefix = getattr(pool, "_thread_name_prefix", "") or ""
+    prefix = executor_thread_name_prefix(pool)
     if not prefix or _UNNAMED_POOL.fullmatch(prefix):
         prefix = "executor"
     return f"{prefix}.wait"
@@ -53,7 +43,7 @@ def _make_submit(original: Any) -> Any:
         if _state.runtime is None or not get_current_span().get_span_context().is_valid:
             return original(self, ctx.run, fn, *args, **kwargs)
         name = _wait_stage_name(self)
-        saturated = _saturated(self)
+        saturated = executor_saturated(self)
         submitted = time.perf_counter_ns()
 
         def timed(*a: Any, **k: Any) -> Any:
