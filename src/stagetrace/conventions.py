@@ -73,6 +73,35 @@ DIAGNOSIS_CODE = "code"
 DROP_REASON = "reason"
 HW_ID = "hw.id"
 
+# --- one table per fact: what each record field becomes on a span, read back by `stagetrace report` ------
+
+# Signals measured per stage: (field of the stage record / StageSample, span attribute, value type). The
+# exporter writes those that were measured; the report reads them back into StageSample by the same table.
+STAGE_SIGNALS: tuple[tuple[str, str, type], ...] = (
+    ("cpu_ms", CPU_MS, float),
+    ("blocked_ms", BLOCKED_MS, float),
+    ("runqueue_ms", RUNQUEUE_MS, float),
+    ("gpu_ms", GPU_DURATION_MS, float),
+    ("h2d_bytes", H2D_BYTES, int),
+    ("h2d_pinned", H2D_PINNED, bool),
+    ("gpu_utilization", GPU_UTILIZATION, float),
+    ("queue_saturated", QUEUE_SATURATED, bool),
+)
+
+# The verdict's scalar fields on the local root: (Verdict field, span attribute, value type, digits kept;
+# None: not rounded). Optional fields (None in the Verdict) are left off the span.
+VERDICT_FIELDS: tuple[tuple[str, str, type, int | None], ...] = (
+    ("total_ms", TOTAL_MS, float, 3),
+    ("slow", SLOW, bool, None),
+    ("slow_threshold_ms", SLOW_THRESHOLD_MS, float, None),
+    ("untracked_ms", UNTRACKED_MS, float, 3),
+    ("bottleneck", BOTTLENECK_STAGE, str, None),
+    ("ratio", BOTTLENECK_RATIO, float, 4),
+    ("gpu_utilization", GPU_UTILIZATION, float, 4),
+    ("gil_pressure_ms", GIL_PRESSURE_MS, float, None),
+    ("loop_lag_ms", LOOP_LAG_MS, float, None),
+)
+
 # Stage kinds, in pipeline order.
 STAGE_KINDS = ("cpu", "io", "wait", "h2d", "gpu", "d2h")
 GPU_KINDS = frozenset({"h2d", "gpu", "d2h"})

@@ -17,22 +17,10 @@ from stagetrace._version import __version__
 from stagetrace.analysis import BatchInfo, Verdict
 from stagetrace.handoff import wire
 
-# stage field -> span attribute: the signals a stage span carries when they were measured
-STAGE_SIGNAL_ATTRIBUTES = (
-    ("cpu_ms", c.CPU_MS),
-    ("blocked_ms", c.BLOCKED_MS),
-    ("runqueue_ms", c.RUNQUEUE_MS),
-    ("gpu_ms", c.GPU_DURATION_MS),
-    ("h2d_bytes", c.H2D_BYTES),
-    ("h2d_pinned", c.H2D_PINNED),
-    ("gpu_utilization", c.GPU_UTILIZATION),
-    ("queue_saturated", c.QUEUE_SATURATED),
-)
-
 
 def stage_attributes(stage: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     attrs: dict[str, Any] = {c.STAGE: stage.name, c.STAGE_KIND: stage.kind}
-    for field_name, key in STAGE_SIGNAL_ATTRIBUTES:
+    for field_name, key, _ in c.STAGE_SIGNALS:
         value = getattr(stage, field_name)
         if value is not None:
             attrs[key] = value
@@ -140,26 +128,20 @@ def stage_span(
 
 
 def verdict_attributes(verdict: Verdict) -> dict[str, Any]:
-    attrs: dict[str, Any] = {
-        c.TOTAL_MS: round(verdict.total_ms, 3),
-        c.SLOW: verdict.slow,
-        c.SLOW_THRESHOLD_MS: verdict.slow_threshold_ms,
-        c.UNTRACKED_MS: round(verdict.untracked_ms, 3),
-    }
+    """The verdict on the local root, by ``conventions.VERDICT_FIELDS`` (``report.traces`` reads it back by
+    the same table), plus the breakdown and the diagnosis codes."""
+    attrs: dict[str, Any] = {}
+    for field_name, key, _, digits in c.VERDICT_FIELDS:
+        value = getattr(verdict, field_name)
+        if field_name == "ratio" and verdict.bottleneck is None:
+            continue  # a ratio of no bottleneck says nothing
+        if value is not None:
+            attrs[key] = round(value, digits) if digits is not None else value
     if verdict.breakdown:
         attrs[c.STAGES] = tuple(verdict.breakdown)
         attrs[c.STAGES_MS] = tuple(round(v, 3) for v in verdict.breakdown.values())
-    if verdict.bottleneck is not None:
-        attrs[c.BOTTLENECK_STAGE] = verdict.bottleneck
-        attrs[c.BOTTLENECK_RATIO] = round(verdict.ratio, 4)
     if verdict.diagnoses:
         attrs[c.DIAGNOSIS] = verdict.diagnosis_codes
-    if verdict.gpu_utilization is not None:
-        attrs[c.GPU_UTILIZATION] = round(verdict.gpu_utilization, 4)
-    if verdict.gil_pressure_ms is not None:
-        attrs[c.GIL_PRESSURE_MS] = verdict.gil_pressure_ms
-    if verdict.loop_lag_ms is not None:
-        attrs[c.LOOP_LAG_MS] = verdict.loop_lag_ms
     return attrs
 
 

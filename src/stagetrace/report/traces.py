@@ -57,27 +57,33 @@ def _stored_verdict(root: Span, trace_id: str, spans: list[Span]) -> Verdict:
         )
         for code in a.get(c.DIAGNOSIS) or ()
     )
+    fields = {name: _typed(a.get(key), kind) for name, key, kind, _ in c.VERDICT_FIELDS}
+    fields["total_ms"] = fields["total_ms"] or (root.end_ns - root.start_ns) / 1e6
+    for name in ("ratio", "slow_threshold_ms", "untracked_ms"):
+        fields[name] = fields[name] or 0.0
+    fields["slow"] = bool(fields["slow"])
     return Verdict(
         trace_id=trace_id,
         root_name=root.name,
-        total_ms=_float(a.get(c.TOTAL_MS)) or (root.end_ns - root.start_ns) / 1e6,
         breakdown=breakdown,
-        bottleneck=a.get(c.BOTTLENECK_STAGE),
-        ratio=_float(a.get(c.BOTTLENECK_RATIO)) or 0.0,
-        slow=bool(a.get(c.SLOW)),
-        slow_threshold_ms=_float(a.get(c.SLOW_THRESHOLD_MS)) or 0.0,
-        untracked_ms=_float(a.get(c.UNTRACKED_MS)) or 0.0,
         diagnoses=diagnoses,
         route=a.get(c.HTTP_ROUTE),
-        gpu_utilization=_float(a.get(c.GPU_UTILIZATION)),
-        gil_pressure_ms=_float(a.get(c.GIL_PRESSURE_MS)),
-        loop_lag_ms=_float(a.get(c.LOOP_LAG_MS)),
+        **fields,
         stage_kinds={
             str(s.attributes[c.STAGE]): str(s.attributes.get(c.STAGE_KIND, "cpu"))
             for s in spans
             if c.STAGE in s.attributes and s.trace_id == trace_id
         },
     )
+
+
+def _typed(value: Any, kind: type) -> Any:
+    """An attribute value read back as the type its table says, or None when it is not one."""
+    if kind is float:
+        return _float(value)
+    if kind is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return value if isinstance(value, kind) else None
 
 
 def _sample(span: Span, parent_stage: str) -> StageSample:
@@ -89,15 +95,8 @@ def _sample(span: Span, parent_stage: str) -> StageSample:
         end_ns=max(span.start_ns, span.end_ns),
         span_id=int(span.span_id, 16),
         parent_stage_id=int(parent_stage, 16) if parent_stage else 0,
-        gpu_ms=_float(a.get(c.GPU_DURATION_MS)),
-        cpu_ms=_float(a.get(c.CPU_MS)),
-        blocked_ms=_float(a.get(c.BLOCKED_MS)),
-        runqueue_ms=_float(a.get(c.RUNQUEUE_MS)),
         on_event_loop=bool(a.get(c.ON_EVENT_LOOP, False)),
-        h2d_bytes=a.get(c.H2D_BYTES),
-        h2d_pinned=a.get(c.H2D_PINNED),
-        gpu_utilization=_float(a.get(c.GPU_UTILIZATION)),
-        queue_saturated=a.get(c.QUEUE_SATURATED),
+        **{name: _typed(a.get(key), kind) for name, key, kind in c.STAGE_SIGNALS},
         batch=batch_from_attributes(a, (int(span.links[0][0], 16), int(span.links[0][1], 16)) if span.links else None),
     )
 
