@@ -13,6 +13,7 @@ from opentelemetry.trace import format_trace_id, get_current_span
 from stagetrace import _state
 from stagetrace.analysis import StageSample, analyse_trace
 from stagetrace.capture.stage import Pipeline, add_stage, validate_stage_name
+from stagetrace.settings import DEFAULT_SLOW_THRESHOLD_MS
 
 logger = logging.getLogger("stagetrace")
 
@@ -21,7 +22,7 @@ class InferencePipelineProfiler:
     """``start()``, then ``record_stage(name)`` at the end of each stage (a stage runs from the previous mark),
     then ``analyze_and_report()``."""
 
-    def __init__(self, slow_threshold_ms: float = 200.0) -> None:
+    def __init__(self, slow_threshold_ms: float = DEFAULT_SLOW_THRESHOLD_MS) -> None:
         if not slow_threshold_ms > 0:
             raise ValueError("slow_threshold_ms must be > 0")
         self.slow_threshold_ms = float(slow_threshold_ms)

@@ -12,6 +12,23 @@ from stagetrace.analysis import DiagnosisThresholds
 
 DEFAULT_SLOW_THRESHOLD_MS = 200.0
 
+# --- fixed bounds and thresholds (module constants: the hot path reads them as globals) --------------------
+MAX_STAGE_NAME_LENGTH = 128  # longer names are cut (names become span names and metric attributes)
+CPU_ACCOUNTING_MIN_MS = 0.5  # stage names that recently ran this long also get schedstat's run-queue split
+MAX_TRACKED_STAGE_NAMES = 1024  # names whose recent duration is remembered for that choice
+MAX_STAGE_ATTRIBUTES = 64  # attributes a user may set on one stage
+MAX_ATTRIBUTE_VALUE_LENGTH = 4096  # characters of a string attribute value
+MAX_OTHER_SPANS_PER_TRACE = 512  # other instrumentations' spans held with a trace; past it they go on their own
+MAX_TRACKED_BATCHERS = 256  # batcher names whose previous run is remembered (the wait split)
+MIN_WAIT_NS = 500_000  # a wait for a worker shorter than this is dispatch noise, not a queue: no wait stage
+MIN_CPU_ACCOUNTED_NS = 1_000_000  # stages shorter than this get no CPU figures (clock granularity)
+MAX_LINKS_PER_SPAN = 128  # the SDK's default span link limit (OTEL_SPAN_LINK_COUNT_LIMIT), which backends share
+RECORDS_PER_FRAME = 32  # traces per channel frame, so that a burst is accepted or refused in pieces
+MAX_FRAME_BYTES = 64 * 2**20  # a frame claiming more is malformed
+FLUSH_POLL_S = 0.002  # how often the helper thread looks for a flush's answer while one waits
+ACK_INTERVAL_S = 0.25  # how often the exporter acknowledges what it handled (and looks for its parent)
+DEFAULT_OUTPUT_DIR = "stagetrace-out"  # the embedded default's JSON lines, unless STAGETRACE_OUTPUT_DIR
+
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
@@ -109,6 +126,21 @@ class Settings:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         return self
+
+
+def disabled_from_env() -> bool:
+    """``STAGETRACE_DISABLED=true`` (or OpenTelemetry's ``OTEL_SDK_DISABLED=true``): every call a no-op."""
+    return env_flag("STAGETRACE_DISABLED") or env_flag("OTEL_SDK_DISABLED")
+
+
+def auto_stages_from_env() -> bool:
+    """``STAGETRACE_AUTO_STAGES=true``: automatic stages in zero-code runs."""
+    return env_flag("STAGETRACE_AUTO_STAGES")
+
+
+def output_dir_from_env() -> str:
+    """``STAGETRACE_OUTPUT_DIR``: where the embedded default writes its JSON lines."""
+    return os.environ.get("STAGETRACE_OUTPUT_DIR") or DEFAULT_OUTPUT_DIR
 
 
 def slow_threshold_from_env(default: float = DEFAULT_SLOW_THRESHOLD_MS) -> float:

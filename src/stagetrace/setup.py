@@ -41,7 +41,7 @@ from stagetrace.export.shutdown import shutdown_within
 from stagetrace.handoff.sampler import LocalRootRecordingSampler
 from stagetrace.handoff.wire import plain
 from stagetrace.runtime import Runtime
-from stagetrace.settings import Settings, env_flag, slow_threshold_from_env
+from stagetrace.settings import Settings, disabled_from_env, slow_threshold_from_env
 
 _lock = threading.Lock()
 _current_handle: StagetraceHandle | None = None
@@ -157,7 +157,7 @@ def configure(
     Calling it again replaces the previous configuration. ``STAGETRACE_DISABLED=true`` makes it, and every
     stage, a no-op.
     """
-    if env_flag("STAGETRACE_DISABLED") or env_flag("OTEL_SDK_DISABLED"):
+    if disabled_from_env():
         logger.info("stagetrace: disabled by environment; stages are no-ops")
         _replace_handle(None)
         return StagetraceHandle(None)

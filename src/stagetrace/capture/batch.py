@@ -31,8 +31,8 @@ from stagetrace.capture.stage import (
     validate_stage_name,
 )
 from stagetrace.conventions import BATCH_FILL, BATCH_ID, BATCH_ITEMS, BATCH_MAX_SIZE, BATCH_SIZE
+from stagetrace.settings import MAX_TRACKED_BATCHERS
 
-MAX_TRACKED_BATCHERS = 256
 _claim_lock = threading.Lock()
 # The latest finished run of each batcher (by name) in this process, to tell a member's wait for its
 # batch to form from its wait for the previous batch to get off the GPU.

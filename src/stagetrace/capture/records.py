@@ -13,8 +13,8 @@ from typing import Any
 
 from opentelemetry.trace import NonRecordingSpan, SpanContext
 
-MAX_STAGE_ATTRIBUTES = 64
-MAX_ATTRIBUTE_VALUE_LENGTH = 4096
+from stagetrace.settings import MAX_ATTRIBUTE_VALUE_LENGTH, MAX_OTHER_SPANS_PER_TRACE, MAX_STAGE_ATTRIBUTES
+
 _SCALARS = (str, bool, int, float)
 
 
@@ -141,7 +141,7 @@ class StageRecord(NonRecordingSpan):
 class TraceRecord:
     """The local part of one trace, keyed by trace id in the registry while its local root is open."""
 
-    max_others = 512  # spans of other instrumentations held with the trace; past it they go on their own
+    max_others = MAX_OTHER_SPANS_PER_TRACE  # other instrumentations' spans held with the trace
 
     __slots__ = (
         "batch",

@@ -25,14 +25,12 @@ from stagetrace._compat import runtime_context_var, span_context_is_a_plain_tupl
 from stagetrace._safety import report_internal_error, warn_once
 from stagetrace.capture.records import StageRecord
 from stagetrace.conventions import STAGE_KINDS
+from stagetrace.settings import CPU_ACCOUNTING_MIN_MS, MAX_STAGE_NAME_LENGTH, MAX_TRACKED_STAGE_NAMES
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _STAGE_KEY = create_key("stagetrace-stage")
 _ROOT_KEY = create_key("stagetrace-root")
-MAX_NAME_LENGTH = 128
-CPU_ACCOUNTING_MIN_MS = 0.5
-MAX_TRACKED_NAMES = 1024
 
 _perf_ns = time.perf_counter_ns
 _thread_time_ns = time.thread_time_ns
@@ -62,9 +60,9 @@ def validate_stage_name(name: object) -> str:
     cleaned = "".join(ch if ch.isprintable() else "?" for ch in name.strip())
     if not cleaned:
         raise ValueError("stage name must be a non-empty string")
-    if len(cleaned) > MAX_NAME_LENGTH:
-        warn_once(f"long-name:{cleaned[:32]}", "stagetrace: stage name cut to %d characters", MAX_NAME_LENGTH)
-        cleaned = cleaned[:MAX_NAME_LENGTH]
+    if len(cleaned) > MAX_STAGE_NAME_LENGTH:
+        warn_once(f"long-name:{cleaned[:32]}", "stagetrace: stage name cut to %d characters", MAX_STAGE_NAME_LENGTH)
+        cleaned = cleaned[:MAX_STAGE_NAME_LENGTH]
     return cleaned
 
 
@@ -200,7 +198,7 @@ def exit_stage(rec: StageRecord | None, exc: BaseException | None, end_ns: int |
             previous = recent.get(rec.name)
             if previous is not None:
                 recent[rec.name] = max(ms, previous * 0.5)  # a long run keeps the name measured a while
-            elif len(recent) < MAX_TRACKED_NAMES:
+            elif len(recent) < MAX_TRACKED_STAGE_NAMES:
                 recent[rec.name] = ms
         if exc is not None:
             rec.error = describe_exception(exc)

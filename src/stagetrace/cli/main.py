@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from stagetrace.settings import DEFAULT_SLOW_THRESHOLD_MS
+
 
 def _positive_int(text: str) -> int:
     value = int(text)
@@ -30,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("paths", nargs="+", help="files or directories of OTLP JSON lines")
     report.add_argument("--json", action="store_true", help="print one JSON object")
     report.add_argument("--html", metavar="FILE", help="also write a self-contained HTML page")
-    report.add_argument("--slow-threshold-ms", type=float, default=200.0)
+    report.add_argument("--slow-threshold-ms", type=float, default=DEFAULT_SLOW_THRESHOLD_MS)
     return ap
 
 

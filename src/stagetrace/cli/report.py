@@ -11,11 +11,12 @@ from stagetrace.report.aggregate import Aggregator
 from stagetrace.report.loader import Span, expand_paths, read_traces
 from stagetrace.report.render import html_report, text_report
 from stagetrace.report.traces import batch_execution, batch_waits, is_batch_trace, verdict_for_trace, waterfall
+from stagetrace.settings import DEFAULT_SLOW_THRESHOLD_MS
 
 
 def aggregate_files(
     paths: list[str],
-    slow_threshold_ms: float = 200.0,
+    slow_threshold_ms: float = DEFAULT_SLOW_THRESHOLD_MS,
     err: TextIO | None = None,
     route: str | None = None,
     *,
@@ -51,7 +52,7 @@ def run_report(
     *,
     as_json: bool = False,
     html_path: str | None = None,
-    slow_threshold_ms: float = 200.0,
+    slow_threshold_ms: float = DEFAULT_SLOW_THRESHOLD_MS,
     out: TextIO | None = None,
     err: TextIO | None = None,
 ) -> int:

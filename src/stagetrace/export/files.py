@@ -16,12 +16,11 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from stagetrace._safety import report_internal_error
 from stagetrace.export.otlp_json import spans_to_otlp_json_line
-
-DEFAULT_OUTPUT_DIR = "stagetrace-out"
+from stagetrace.settings import output_dir_from_env
 
 
 def default_traces_path(service_name: str | None = None) -> Path:
-    base = Path(os.environ.get("STAGETRACE_OUTPUT_DIR", DEFAULT_OUTPUT_DIR))
+    base = Path(output_dir_from_env())
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in (service_name or "service"))
     return base / f"traces-{safe}-{os.getpid()}.jsonl"
 

@@ -39,9 +39,8 @@ from stagetrace.exporter.metrics import MetricsRecorder, MetricsSink, Stagetrace
 from stagetrace.exporter.outputs import LocalOutputs, NoMetrics, SpanForwarder
 from stagetrace.handoff import wire
 from stagetrace.handoff.channel import FrameReader, encode_frame
-from stagetrace.settings import Settings
+from stagetrace.settings import ACK_INTERVAL_S, Settings
 
-ACK_INTERVAL_S = 0.25
 _PR_SET_PDEATHSIG = 1
 
 

@@ -11,7 +11,8 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-MIN_CPU_ACCOUNTED_NS = 1_000_000
+from stagetrace.settings import MIN_CPU_ACCOUNTED_NS
+
 GIL_SERIES = "gil"
 LOOP_SERIES = "loop"
 

@@ -16,6 +16,7 @@ from stagetrace import conventions as c
 from stagetrace._version import __version__
 from stagetrace.analysis import BatchInfo, Verdict
 from stagetrace.handoff import wire
+from stagetrace.settings import MAX_LINKS_PER_SPAN
 
 
 def stage_attributes(stage: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -183,9 +184,6 @@ def root_with_verdict(root: tuple[Any, ...], verdict: Verdict, keep_query_string
     attributes.update(verdict_attributes(verdict))
     events = tuple(root[wire.SPAN_EVENTS]) + diagnosis_events(verdict, root[wire.SPAN_END])
     return wire.replace_span(root, attributes=attributes, events=events)
-
-
-MAX_LINKS_PER_SPAN = 128  # the SDK's default span link limit (OTEL_SPAN_LINK_COUNT_LIMIT), which backends share
 
 
 def batch_spans(root: tuple[Any, ...], new_span_id: Callable[[], int]) -> list[tuple[Any, ...]]:

@@ -16,10 +16,11 @@ import os
 import struct
 import zlib
 
+from stagetrace.settings import MAX_FRAME_BYTES
+
 MAGIC = b"STG1"
 _HEADER = struct.Struct("<4sII")
 HEADER_SIZE = _HEADER.size
-MAX_FRAME_BYTES = 64 * 2**20
 _F_SETPIPE_SZ = 1031  # Linux
 
 

@@ -26,10 +26,9 @@ from stagetrace.capture.records import StageRecord, TraceRecord
 from stagetrace.exporter.metrics import MetricsRecorder
 from stagetrace.exporter.signals import flatten
 from stagetrace.handoff import fanout, wire
-from stagetrace.settings import Settings
+from stagetrace.settings import FLUSH_POLL_S, Settings
 
 DATA_KINDS = frozenset({wire.TRACE, wire.LONE_STAGE, wire.LONE_SPAN})
-FLUSH_POLL_S = 0.002
 
 
 class Transport(Protocol):

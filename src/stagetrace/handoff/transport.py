@@ -29,9 +29,7 @@ from stagetrace.exporter.outputs import LocalOutputs
 from stagetrace.handoff import wire
 from stagetrace.handoff.channel import FrameReader, NonBlockingWriter, encode_frame, make_pipe
 from stagetrace.handoff.shipper import DATA_KINDS, Shipper
-from stagetrace.settings import Settings
-
-RECORDS_PER_FRAME = 32  # so that a burst is accepted or refused in pieces, within the channel's bound
+from stagetrace.settings import RECORDS_PER_FRAME, Settings
 
 
 def encode_batch(messages: list[tuple[Any, ...]]) -> tuple[bytes, int]:

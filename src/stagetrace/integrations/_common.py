@@ -7,6 +7,7 @@ from typing import Any
 
 from stagetrace import _state
 from stagetrace._safety import logger
+from stagetrace.settings import disabled_from_env
 
 
 def require(module: str, feature: str, extra: str) -> Any:
@@ -23,10 +24,9 @@ def ensure_configured() -> Any:
     """The active runtime, configuring stagetrace with its defaults (OTEL_* or the embedded file) if the
     application has not called ``configure()`` yet. None when stagetrace is disabled."""
     if _state.runtime is None:
-        from stagetrace.settings import env_flag
         from stagetrace.setup import configure
 
-        if env_flag("STAGETRACE_DISABLED") or env_flag("OTEL_SDK_DISABLED"):
+        if disabled_from_env():
             return None
         logger.info("stagetrace: not configured yet; configuring with defaults")
         configure()

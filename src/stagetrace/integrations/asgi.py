@@ -15,9 +15,9 @@ from stagetrace import _state
 from stagetrace.capture.records import StageRecord
 from stagetrace.capture.stage import add_stage
 from stagetrace.integrations._common import Patch
+from stagetrace.settings import MIN_WAIT_NS
 
 THREADPOOL_WAIT_STAGE = "threadpool.wait"
-MIN_WAIT_NS = 500_000  # shorter waits are dispatch noise, not a queue (as for executor waits)
 
 
 def _make_run_in_threadpool(original: Any) -> Any:

@@ -22,7 +22,7 @@ from stagetrace import _state
 from stagetrace._compat import executor_saturated, executor_thread_name_prefix
 from stagetrace.capture.stage import add_stage
 from stagetrace.integrations._common import Patch
-from stagetrace.integrations.asgi import MIN_WAIT_NS
+from stagetrace.settings import MIN_WAIT_NS
 
 _UNNAMED_POOL = re.compile(r"ThreadPoolExecutor-\d+")
 

@@ -19,7 +19,7 @@ from stagetrace import _state
 from stagetrace._safety import logger
 from stagetrace.integrations.asgi import install_request_signals, uninstall_request_signals
 from stagetrace.integrations.threads import propagate_context_to_threads, stop_propagating_context
-from stagetrace.settings import env_flag
+from stagetrace.settings import auto_stages_from_env, disabled_from_env
 
 
 class StagetraceInstrumentor(BaseInstrumentor):
@@ -29,7 +29,7 @@ class StagetraceInstrumentor(BaseInstrumentor):
         return ()
 
     def _instrument(self, **kwargs: Any) -> None:
-        if env_flag("STAGETRACE_DISABLED"):
+        if disabled_from_env():
             return
         from stagetrace.setup import attach, configure
 
@@ -43,7 +43,7 @@ class StagetraceInstrumentor(BaseInstrumentor):
                 self._handle = configure()
         install_request_signals()
         propagate_context_to_threads()
-        if env_flag("STAGETRACE_AUTO_STAGES"):
+        if auto_stages_from_env():
             from stagetrace.integrations import auto_stages
 
             auto_stages.instrument()

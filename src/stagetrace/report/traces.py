@@ -24,6 +24,7 @@ from stagetrace.analysis import (
 from stagetrace.analysis.diagnosis import ADVICE
 from stagetrace.exporter.spans import batch_from_attributes
 from stagetrace.report.loader import Span
+from stagetrace.settings import DEFAULT_SLOW_THRESHOLD_MS
 
 
 def global_root(spans: list[Span]) -> Span:
@@ -102,7 +103,9 @@ def _sample(span: Span, parent_stage: str) -> StageSample:
 
 
 def verdict_for_trace(
-    spans: list[Span], slow_threshold_ms: float = 200.0, thresholds: DiagnosisThresholds | None = None
+    spans: list[Span],
+    slow_threshold_ms: float = DEFAULT_SLOW_THRESHOLD_MS,
+    thresholds: DiagnosisThresholds | None = None,
 ) -> Verdict:
     root = global_root(spans)
     trace_id = root.trace_id
