@@ -72,3 +72,7 @@ def test_a_verdict_reads_back_as_written():
         assert getattr(read, field) == expected, field
     assert read.breakdown == verdict.breakdown and read.diagnosis_codes == ("UNTRACKED_TIME",)
     assert read.stage_kinds == verdict.stage_kinds
+
+
+def test_shipped_stage_types_every_wire_field():
+    assert tuple(wire.ShippedStage.__annotations__) == wire.STAGE_FIELDS

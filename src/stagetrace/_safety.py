@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -52,6 +54,18 @@ internal_errors = RateLimitedLog()
 
 def report_internal_error(where: str) -> None:
     internal_errors.log(logging.ERROR, where, "stagetrace internal error in %s (contained)", where, exc_info=True)
+
+
+def at_fork_in_child(obj: object, method: str) -> None:
+    """Call ``obj.<method>()`` in a forked child, without keeping ``obj`` alive for it."""
+    ref = weakref.ref(obj)
+
+    def hook() -> None:
+        target = ref()
+        if target is not None:
+            getattr(target, method)()
+
+    os.register_at_fork(after_in_child=hook)
 
 
 _warned: set[str] = set()

@@ -104,6 +104,7 @@ class StagetraceHandle:
             self._detach()
         else:
             provider, meters = self.tracer_provider, self.meter_provider
+            assert provider is not None  # a handle that owns its providers has them
             shutdown_within(
                 deadline_s,
                 [provider.shutdown, lambda: meters.shutdown(timeout_millis=int(deadline_s * 1000))],
@@ -183,7 +184,8 @@ def configure(
     resource = _resource(service_name, resource_attributes)
     user_exporters = _as_list(span_exporter)
     user_readers = _as_list(metric_reader)
-    service = resource.attributes.get(SERVICE_NAME)
+    service_attr = resource.attributes.get(SERVICE_NAME)
+    service = service_attr if isinstance(service_attr, str) else None
     file_default = not user_exporters and not span_export_from_env()
     path = (Path(traces_path) if traces_path else default_traces_path(service)) if file_default else None
     if settings.export_process:
@@ -195,7 +197,7 @@ def configure(
         app_exporters = user_exporters or span_exporters_from_env() or []
         if file_default:
             factory = None if traces_path else (lambda: default_traces_path(service))
-            app_exporters = [JsonLinesSpanExporter(path, path_factory=factory)]
+            app_exporters = [JsonLinesSpanExporter(path or default_traces_path(service), path_factory=factory)]
         app_readers = user_readers or metric_readers_from_env() or []
     spans_mode = "none" if user_exporters else ("file" if file_default else "env")
     metrics_mode = "none" if user_readers else ("env" if metric_export_from_env() else "none")

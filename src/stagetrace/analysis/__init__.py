@@ -8,12 +8,13 @@ from stagetrace.analysis.diagnosis import (
     TraceSignals,
     diagnose,
 )
-from stagetrace.analysis.model import BatchInfo, StageSample, Verdict, batch_info, build_verdict
+from stagetrace.analysis.model import BatchInfo, StageLike, StageSample, Verdict, batch_info, build_verdict
 
 __all__ = [
     "BatchInfo",
     "Diagnosis",
     "DiagnosisThresholds",
+    "StageLike",
     "StageSample",
     "TraceAnalysis",
     "TraceSignals",

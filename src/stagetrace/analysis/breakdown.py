@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from stagetrace.analysis.model import StageSample
+from stagetrace.analysis.model import StageLike
 from stagetrace.conventions import GPU_KINDS
 
 
@@ -26,24 +26,23 @@ class TraceAnalysis:
 def union_length_ns(intervals: Iterable[tuple[int, int]]) -> int:
     """Length covered by the union of half-open intervals; empty or reversed intervals count as zero."""
     ordered = sorted((s, e) for s, e in intervals if e > s)
+    if not ordered:
+        return 0
     total = 0
-    cur_start = cur_end = None
-    for s, e in ordered:
-        if cur_end is None or s > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
+    cur_start, cur_end = ordered[0]
+    for s, e in ordered[1:]:
+        if s > cur_end:
+            total += cur_end - cur_start
             cur_start, cur_end = s, e
         elif e > cur_end:
             cur_end = e
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
+    return total + cur_end - cur_start
 
 
 def analyse_trace(
     root_start_ns: int,
     root_end_ns: int,
-    stages: Sequence[StageSample],
+    stages: Sequence[StageLike],
     slow_threshold_ms: float,
 ) -> TraceAnalysis:
     """Break a local root's time down by stage.
@@ -67,7 +66,9 @@ def analyse_trace(
         if total_ns and st.start_ns >= root_end_ns:
             clipped.append(None)
             continue
-        iv = (max(st.start_ns, root_start_ns), min(st.end_ns, root_end_ns)) if total_ns else (st.start_ns, st.end_ns)
+        iv: tuple[int, int] = (
+            (max(st.start_ns, root_start_ns), min(st.end_ns, root_end_ns)) if total_ns else (st.start_ns, st.end_ns)
+        )
         clipped.append(iv)
         if st.parent_stage_id:
             children.setdefault(st.parent_stage_id, []).append(iv)
@@ -76,10 +77,11 @@ def analyse_trace(
     first_start: dict[str, int] = {}
     kinds: dict[str, str] = {}
     charged: list[float | None] = []
-    for st, iv in zip(stages, clipped):
-        if iv is None:
+    for st, maybe_iv in zip(stages, clipped):
+        if maybe_iv is None:
             charged.append(None)
             continue
+        iv = maybe_iv
         if st.gpu_ms is not None and st.kind in GPU_KINDS:
             ms = st.gpu_ms if st.gpu_ms > 0 else 0.0
         else:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 from stagetrace.analysis.breakdown import TraceAnalysis
-from stagetrace.analysis.model import StageSample
+from stagetrace.analysis.model import StageLike
 from stagetrace.conventions import GPU_KINDS
 
 
@@ -53,7 +54,9 @@ class TraceSignals:
     loop_lag_ms: float | None = None
 
 
-Rule = Callable[[TraceAnalysis, Sequence[StageSample], TraceSignals, DiagnosisThresholds], "Diagnosis | None"]
+Stages = Sequence[StageLike]
+Finding = Optional[Diagnosis]  # noqa: UP045 - a runtime alias, so no `|` on a class
+Rule = Callable[[TraceAnalysis, Stages, TraceSignals, DiagnosisThresholds], Finding]
 
 CPU_SIDE_KINDS = frozenset({"cpu", "io", "wait"})
 
@@ -106,11 +109,13 @@ def _make(code: str, message: str, stage: str | None = None) -> Diagnosis:
     return Diagnosis(code=code, message=message, advice=ADVICE[code], stage=stage)
 
 
-def _cpu_stages(stages: Sequence[StageSample], th: DiagnosisThresholds) -> list[StageSample]:
+def _cpu_stages(stages: Sequence[StageLike], th: DiagnosisThresholds) -> list[StageLike]:
     return [s for s in stages if s.kind == "cpu" and s.wall_ms >= th.min_stage_ms]
 
 
-def gpu_starved(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+def gpu_starved(
+    a: TraceAnalysis, stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds
+) -> Diagnosis | None:
     if sig.gpu_utilization is None or a.total_ms <= 0 or sig.gpu_utilization >= th.gpu_starved_utilization:
         return None
     cpu_ms = sum(ms for name, ms in a.breakdown.items() if a.stage_kinds.get(name) in CPU_SIDE_KINDS)
@@ -125,7 +130,7 @@ def gpu_starved(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSigna
     )
 
 
-def pageable_h2d(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+def pageable_h2d(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: DiagnosisThresholds) -> Finding:
     # Only real device copies count (CUDA-timed): on a CPU-only run "pinned" has no consequence.
     if "h2d" not in a.stage_kinds.values():
         return None
@@ -148,7 +153,7 @@ def pageable_h2d(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSign
     )
 
 
-def _blocked_stage(stages: Sequence[StageSample], th: DiagnosisThresholds) -> StageSample | None:
+def _blocked_stage(stages: Sequence[StageLike], th: DiagnosisThresholds) -> StageLike | None:
     candidates = [
         s
         for s in _cpu_stages(stages, th)
@@ -157,7 +162,9 @@ def _blocked_stage(stages: Sequence[StageSample], th: DiagnosisThresholds) -> St
     return max(candidates, key=lambda s: s.blocked_ms or 0.0) if candidates else None
 
 
-def gil_contention(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+def gil_contention(
+    a: TraceAnalysis, stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds
+) -> Diagnosis | None:
     s = _blocked_stage(stages, th)
     if s is None or sig.gil_pressure_ms is None or sig.gil_pressure_ms < th.gil_pressure_ms:
         return None
@@ -169,7 +176,9 @@ def gil_contention(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSi
     )
 
 
-def lock_or_io_wait(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+def lock_or_io_wait(
+    a: TraceAnalysis, stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds
+) -> Diagnosis | None:
     # Needs a measured GIL pressure: without one, "blocked" cannot be told apart from GIL contention.
     s = _blocked_stage(stages, th)
     if s is None or sig.gil_pressure_ms is None or sig.gil_pressure_ms >= th.gil_pressure_ms:
@@ -182,7 +191,9 @@ def lock_or_io_wait(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceS
     )
 
 
-def cpu_oversubscribed(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+def cpu_oversubscribed(
+    a: TraceAnalysis, stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds
+) -> Diagnosis | None:
     hits = [
         s
         for s in _cpu_stages(stages, th)
@@ -198,7 +209,9 @@ def cpu_oversubscribed(a: TraceAnalysis, stages: Sequence[StageSample], sig: Tra
     )
 
 
-def event_loop_blocked(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+def event_loop_blocked(
+    a: TraceAnalysis, stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds
+) -> Diagnosis | None:
     on_loop = [s for s in stages if s.on_event_loop and s.kind not in GPU_KINDS and s.wall_ms >= th.event_loop_stage_ms]
     if on_loop:
         s = max(on_loop, key=lambda s: s.wall_ms)
@@ -212,7 +225,7 @@ def event_loop_blocked(a: TraceAnalysis, stages: Sequence[StageSample], sig: Tra
     return None
 
 
-def _queued_ms(s: StageSample) -> float:
+def _queued_ms(s: StageLike) -> float:
     """A wait's time spent in a queue: all of it, except that a batch wait counts only the time its
     batcher's previous batch was still running (forming the batch is BATCH_WAIT's business)."""
     if s.batch is not None and s.batch.formation_ms is not None:
@@ -220,7 +233,9 @@ def _queued_ms(s: StageSample) -> float:
     return s.wall_ms
 
 
-def queueing(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+def queueing(
+    a: TraceAnalysis, stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds
+) -> Diagnosis | None:
     # A wait measured while its pool had free capacity is dispatch latency (often GIL contention), not a
     # queue: only waits not known to be unsaturated count.
     waits = [s for s in stages if s.kind == "wait" and s.queue_saturated is not False and _queued_ms(s) > 0]
@@ -235,16 +250,18 @@ def queueing(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals,
     )
 
 
-def _batch_waits(stages: Sequence[StageSample]) -> list[StageSample]:
+def _batch_waits(stages: Sequence[StageLike]) -> list[StageLike]:
     return [s for s in stages if s.kind == "wait" and s.batch is not None and s.batch.formation_ms is not None]
 
 
-def batch_wait(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+def batch_wait(
+    a: TraceAnalysis, stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds
+) -> Diagnosis | None:
     waits = _batch_waits(stages)
     formation = sum(s.batch.formation_ms or 0.0 for s in waits if s.batch is not None)
     if not waits or a.total_ms <= 0 or formation < max(th.batch_wait_min_ms, th.batch_wait_share * a.total_ms):
         return None
-    worst = max(waits, key=lambda s: s.batch.formation_ms if s.batch is not None else 0.0)
+    worst = max(waits, key=lambda s: (s.batch.formation_ms or 0.0) if s.batch is not None else 0.0)
     b = worst.batch
     assert b is not None
     of_max = f" of {b.max_size}" if b.max_size else ""
@@ -256,7 +273,9 @@ def batch_wait(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignal
     )
 
 
-def batch_underfilled(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+def batch_underfilled(
+    a: TraceAnalysis, stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds
+) -> Diagnosis | None:
     heads = [s for s in stages if s.batch is not None and s.batch.is_member_batch_stage and s.batch.max_size]
     if not heads:
         return None
@@ -292,7 +311,9 @@ def batch_underfilled(a: TraceAnalysis, stages: Sequence[StageSample], sig: Trac
     return None
 
 
-def untracked_time(a: TraceAnalysis, stages: Sequence[StageSample], sig: TraceSignals, th: DiagnosisThresholds):
+def untracked_time(
+    a: TraceAnalysis, stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds
+) -> Diagnosis | None:
     if not a.breakdown or a.total_ms <= 0:
         return None
     share = a.untracked_ms / a.total_ms
@@ -319,7 +340,7 @@ _NEEDS_CPU_SIGNALS = frozenset({"GIL_CONTENTION", "LOCK_OR_IO_WAIT", "CPU_OVERSU
 
 def diagnose(
     analysis: TraceAnalysis,
-    stages: Sequence[StageSample],
+    stages: Sequence[StageLike],
     signals: TraceSignals = TraceSignals(),
     thresholds: DiagnosisThresholds = DiagnosisThresholds(),
 ) -> tuple[Diagnosis, ...]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     from stagetrace.analysis.breakdown import TraceAnalysis
@@ -22,7 +22,7 @@ class BatchInfo(NamedTuple):
     id: str  # shared by every member, the batch span's id in hex
     size: int  # member requests
     items: int  # items in the whole batch
-    index: int  # this member's place in the batch
+    member_index: int  # this member's place in the batch (`index` would shadow tuple.index)
     member_items: int  # this member's items
     max_size: int  # the batcher's max size in items; 0 when not given
     link_trace_id: int = 0  # the batch span, on the member's batch stage only
@@ -46,6 +46,46 @@ def batch_info(value: Any) -> BatchInfo | None:
     if not isinstance(value, tuple) or not 6 <= len(value) <= len(BatchInfo._fields):
         raise ValueError("malformed batch field")
     return BatchInfo(*value)
+
+
+class StageLike(Protocol):
+    """What the analysis reads of a stage: ``StageSample`` (the report), the exporter's ``ShippedStage``,
+    anything with these fields (perf-counter or epoch ns, consistent within one trace)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def start_ns(self) -> int: ...
+    @property
+    def end_ns(self) -> int: ...
+    @property
+    def span_id(self) -> int: ...
+    @property
+    def parent_stage_id(self) -> int: ...
+    @property
+    def gpu_ms(self) -> float | None: ...
+    @property
+    def cpu_ms(self) -> float | None: ...
+    @property
+    def blocked_ms(self) -> float | None: ...
+    @property
+    def runqueue_ms(self) -> float | None: ...
+    @property
+    def on_event_loop(self) -> bool: ...
+    @property
+    def h2d_bytes(self) -> int | None: ...
+    @property
+    def h2d_pinned(self) -> bool | None: ...
+    @property
+    def gpu_utilization(self) -> float | None: ...
+    @property
+    def queue_saturated(self) -> bool | None: ...
+    @property
+    def batch(self) -> BatchInfo | None: ...
+    @property
+    def wall_ms(self) -> float: ...
 
 
 @dataclass(slots=True, eq=False)

@@ -81,7 +81,8 @@ class CpuSignals:
             holder = self._local.holder
         except AttributeError:
             holder = self._local.holder = _ThreadFd()
-        n = self._pread(holder.fd, holder.buf, 64, 0)
+        pread: Any = self._pread  # set whenever schedstat is read (see __init__)
+        n = pread(holder.fd, holder.buf, 64, 0)
         return holder.buf.raw[:n] if n > 0 else None
 
 

@@ -10,14 +10,22 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from stagetrace._safety import report_internal_error
 from stagetrace.capture.records import StageRecord
 from stagetrace.capture.stage import _STAGE_KEY, NULL_STAGE, _get_context, enter_stage, exit_stage, validate_stage_name
 from stagetrace.conventions import D2H_BYTES
 
+
+class Movable(Protocol):
+    """What a copy stage needs of its tensor: ``to()`` (and ``numel``/``element_size`` for the bytes)."""
+
+    def to(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
 T = TypeVar("T")
+M = TypeVar("M", bound=Movable)
 
 
 def _gpu_start(rec: StageRecord | None, device: Any) -> None:
@@ -139,13 +147,13 @@ def timed_copy(name: str, kind: str, tensor: Any, event_device: Any, copy: Calla
     return out
 
 
-def h2d(tensor: T, device: Any, non_blocking: bool = True, *, name: str = "h2d") -> T:
+def h2d(tensor: M, device: Any, non_blocking: bool = True, *, name: str = "h2d") -> M:
     """``tensor.to(device, non_blocking=...)`` as an ``h2d`` stage: bytes, whether the source was pinned,
     and the copy's GPU time. A pageable source makes a non-blocking copy synchronous (PAGEABLE_H2D)."""
     return timed_copy(name, "h2d", tensor, device, lambda: tensor.to(device, non_blocking=non_blocking))
 
 
-def d2h(tensor: T, non_blocking: bool = False, *, name: str = "d2h") -> T:
+def d2h(tensor: M, non_blocking: bool = False, *, name: str = "d2h") -> M:
     """``tensor.to("cpu")`` as a ``d2h`` stage. The copy's GPU time is measured between events on the source
     stream, so the host time spent waiting for earlier kernels (inference) is not charged to it."""
     device = getattr(tensor, "device", None)

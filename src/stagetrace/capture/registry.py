@@ -80,7 +80,7 @@ class TraceRegistry:
         evicted: list[TraceRecord] = []
         with self._lock:
             for tid in [t for t, r in self._traces.items() if r.created_monotonic < cutoff]:
-                rec = self._traces.pop(tid)
+                rec: TraceRecord | None = self._traces.pop(tid)
                 while rec is not None:
                     evicted.append(rec)
                     rec = rec.shadowed

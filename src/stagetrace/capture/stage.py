@@ -39,6 +39,9 @@ _getrandbits = random.getrandbits  # reseeded in forked children by the random m
 
 _UNPACK_SPAN_CONTEXT = span_context_is_a_plain_tuple()
 _CV = runtime_context_var()
+_get_context: Callable[[], Any]  # a Context (a dict of context keys to values)
+_set_context: Callable[[Context], Any]
+_cv_reset: Callable[[Any], Any]
 if _CV is not None:
     _get_context = _CV.get
     _set_context = _CV.set
@@ -69,7 +72,7 @@ def validate_stage_name(name: object) -> str:
 def validate_kind(kind: object) -> str:
     if kind not in STAGE_KINDS:
         raise ValueError(f"stage kind must be one of {', '.join(STAGE_KINDS)}; got {kind!r}")
-    return kind  # type: ignore[return-value]
+    return str(kind)
 
 
 def describe_exception(exc: BaseException) -> tuple[str, str, str]:
@@ -334,7 +337,7 @@ class Pipeline:
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         active = get_current().get(_ROOT_KEY)
-        if active is not None and active.owner is self:
+        if isinstance(active, _ActiveRoot) and active.owner is self:
             _close_root(active, exc)
 
     async def __aenter__(self) -> Pipeline:
@@ -385,7 +388,8 @@ def add_stage(name: str, kind: str, start_ns: int, end_ns: int, **fields: Any) -
 
 def current_stage() -> StageRecord | None:
     """The innermost open stage of the current context, for integrations that add attributes to it."""
-    return get_current().get(_STAGE_KEY)
+    rec = get_current().get(_STAGE_KEY)
+    return rec if isinstance(rec, StageRecord) else None
 
 
 __all__ = ["Pipeline", "Stage", "current_stage", "pipeline", "stage"]

@@ -29,7 +29,7 @@ async def run(url: str, path: str, n: int, concurrency: int, payload: bytes, dea
                 try:
                     r = await client.post(path, content=payload)
                     ok = r.status_code == 200
-                    status = r.status_code
+                    status: int | str = r.status_code
                 except httpx.HTTPError as e:
                     ok, status = False, type(e).__name__
                 ms = (time.perf_counter() - t0) * 1000

@@ -174,19 +174,19 @@ def build_app(device: Any) -> Any:
         with stagetrace.stage("decode"):  # on the event loop: every other request waits
             img = Image.open(io.BytesIO(raw)).convert("RGB")
         with stagetrace.stage("resize"):
-            img = img.resize((INPUT_SIZE, INPUT_SIZE), Image.BILINEAR)
+            img = img.resize((INPUT_SIZE, INPUT_SIZE), Image.Resampling.BILINEAR)
         with stagetrace.stage("to_tensor"):
             x = to_tensor(img)  # pageable memory
         return infer(cnn, x)
 
     @stagetrace.stage("preprocess")
     def preprocess(raw: bytes) -> Any:
-        img = Image.open(io.BytesIO(raw))
-        img.draft("RGB", (INPUT_SIZE, INPUT_SIZE))  # JPEG DCT scaling: decode at reduced size
+        jpeg = Image.open(io.BytesIO(raw))
+        jpeg.draft("RGB", (INPUT_SIZE, INPUT_SIZE))  # JPEG DCT scaling: decode at reduced size
         with stagetrace.stage("decode"):
-            img = img.convert("RGB")
+            img = jpeg.convert("RGB")
         with stagetrace.stage("resize"):
-            img = img.resize((INPUT_SIZE, INPUT_SIZE), Image.BILINEAR)
+            img = img.resize((INPUT_SIZE, INPUT_SIZE), Image.Resampling.BILINEAR)
         with stagetrace.stage("to_tensor"):
             return to_tensor(img)
 

@@ -69,10 +69,13 @@ def span_exporters_from_env(file_path: Path | None = None) -> list[SpanExporter]
             continue
         if name == "otlp":
             if _protocol("TRACES") == "grpc":
-                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpans
+
+                exporters.append(GrpcSpans())
             else:
-                from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-            exporters.append(OTLPSpanExporter())
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpans
+
+                exporters.append(HttpSpans())
         elif name == "console":
             exporters.append(ConsoleSpanExporter())
         elif name in ("file", "stagetrace_file"):
@@ -93,10 +96,13 @@ def metric_readers_from_env() -> list[MetricReader] | None:
             continue
         if name == "otlp":
             if _protocol("METRICS") == "grpc":
-                from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+                from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcMetrics
+
+                readers.append(PeriodicExportingMetricReader(GrpcMetrics()))
             else:
-                from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+                from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as HttpMetrics
+
+                readers.append(PeriodicExportingMetricReader(HttpMetrics()))
         elif name == "console":
             from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
 

@@ -237,8 +237,8 @@ class ExporterCore:
             raise MalformedRecord("malformed stage header")
         self.handled += 1
         sig.resolve_cpu(st)
-        gpu_timed = st.kind in c.GPU_KINDS and st.gpu_ms is not None
-        self.metrics.record_stage(st.name, st.kind, st.gpu_ms if gpu_timed else st.wall_ms, None)
+        ms = st.gpu_ms if st.kind in c.GPU_KINDS and st.gpu_ms is not None else st.wall_ms
+        self.metrics.record_stage(st.name, st.kind, ms, None)
         if flags & 1 and self.decisions.kept(trace_id):
             self.outputs.export([sp.stage_span(st, trace_id, offset, flags, state, {c.LATE: True} if late else None)])
 

@@ -40,7 +40,12 @@ def batch_attributes(stage: Any) -> dict[str, Any]:
     """Membership of a batch on a stage of a member's trace: the wait carries its split, the other stages
     the member's amortised share of their time (its items over the batch's)."""
     b = stage.batch
-    attrs: dict[str, Any] = {c.BATCH_ID: b.id, c.BATCH_SIZE: b.size, c.BATCH_ITEMS: b.items, c.BATCH_INDEX: b.index}
+    attrs: dict[str, Any] = {
+        c.BATCH_ID: b.id,
+        c.BATCH_SIZE: b.size,
+        c.BATCH_ITEMS: b.items,
+        c.BATCH_INDEX: b.member_index,
+    }
     if b.formation_ms is not None:
         attrs[c.BATCH_FORMATION_MS] = round(b.formation_ms, 3)
         attrs[c.BATCH_BUSY_MS] = round(b.busy_ms or 0.0, 3)

@@ -174,9 +174,9 @@ class GpuSupport:
         return next(iter(self.samplers.values()))
 
     def trace_utilization(self, start_epoch_ns: int, end_epoch_ns: int) -> float | None:
-        values = [s.window(start_epoch_ns, end_epoch_ns) for s in self.samplers.values() if s.enabled]
-        values = [v.mean for v in values if v is not None]
-        return sum(values) / len(values) if values else None
+        windows = [s.window(start_epoch_ns, end_epoch_ns) for s in self.samplers.values() if s.enabled]
+        means = [w.mean for w in windows if w is not None]
+        return sum(means) / len(means) if means else None
 
     def shutdown(self) -> None:
         for sampler in self.samplers.values():

@@ -8,8 +8,9 @@ import ctypes
 import os
 import sys
 import threading
-import weakref
 from typing import Any
+
+from stagetrace._safety import at_fork_in_child
 
 CAPTURE_MODE_THREAD_LOCAL = 1  # cudaStreamCaptureModeThreadLocal (Global 0, ThreadLocal 1, Relaxed 2)
 
@@ -26,9 +27,8 @@ class TorchCudaBackend:
     def __init__(self, torch_module: Any = None) -> None:
         self._torch = torch_module
         self._usable = False
-        ref = weakref.ref(self)
         # A forked child of a process that used CUDA cannot use it (torch calls that a bad fork).
-        os.register_at_fork(after_in_child=lambda: (lambda b: b and b._after_fork())(ref()))
+        at_fork_in_child(self, "_after_fork")
 
     def _after_fork(self) -> None:
         self._usable = False

@@ -11,17 +11,15 @@ trace and counts it, it never blocks a request.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from opentelemetry.sdk.trace import ReadableSpan
 
-from stagetrace._safety import report_internal_error
+from stagetrace._safety import at_fork_in_child, report_internal_error
 from stagetrace.capture.records import StageRecord, TraceRecord
 from stagetrace.exporter.metrics import MetricsRecorder
 from stagetrace.exporter.signals import flatten
@@ -92,8 +90,7 @@ class Shipper:
         self.on_thread_start: list[Callable[[], None]] = []  # samplers to (re)start with this thread
         self._seq = itertools.count(1)
         self._init_state()
-        ref = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: (lambda s: s and s._after_fork())(ref()))
+        at_fork_in_child(self, "_after_fork")
 
     def _init_state(self) -> None:
         self._items: deque[Any] = deque()

@@ -18,11 +18,10 @@ import pickle
 import subprocess
 import sys
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
-from stagetrace._safety import logger, report_internal_error
+from stagetrace._safety import at_fork_in_child, logger, report_internal_error
 from stagetrace.exporter.core import ExporterCore
 from stagetrace.exporter.metrics import MetricsRecorder, replay
 from stagetrace.exporter.outputs import LocalOutputs
@@ -98,8 +97,7 @@ class ProcessTransport:
         self._restarts: list[float] = []
         self._gave_up = False
         self._last_liveness = 0.0
-        ref = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: (lambda t: t and t._forget_after_fork())(ref()))
+        at_fork_in_child(self, "_forget_after_fork")
         self._start()
 
     # --- lifecycle ------------------------------------------------------------------------------------

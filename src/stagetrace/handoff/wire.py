@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
-from stagetrace.analysis.model import batch_info
+from stagetrace.analysis.model import BatchInfo, batch_info
 from stagetrace.conventions import BATCH_INDEX, BATCH_ITEMS
 
 # --- message kinds ------------------------------------------------------------------------------------
@@ -67,6 +67,25 @@ class ShippedStage:
     (CPU figures from the raw clock readings). The analysis reads stages by these field names."""
 
     __slots__ = (*STAGE_FIELDS, "blocked_ms", "cpu_ms", "runqueue_ms")
+    # the STAGE_FIELDS, typed (tests/test_tables.py checks that the two lists agree)
+    name: str
+    kind: str
+    span_id: int
+    parent_span_id: int
+    parent_stage_id: int
+    start_ns: int
+    end_ns: int
+    cpu_start: Any
+    cpu_end: Any
+    on_event_loop: bool
+    error: tuple[str, str, str] | None
+    attributes: dict[str, Any] | None
+    gpu_ms: float | None
+    gpu_utilization: float | None
+    h2d_bytes: int | None
+    h2d_pinned: bool | None
+    queue_saturated: bool | None
+    batch: BatchInfo | None
 
     def __init__(self, fields: Sequence[Any]) -> None:
         if len(fields) != len(STAGE_FIELDS):

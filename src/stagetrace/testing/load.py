@@ -71,7 +71,7 @@ def build_app(out_dir: str) -> Any:
                 for m in sm.metrics:
                     if m.name == c.METRIC_DROPPED:
                         for p in m.data.data_points:
-                            dropped[p.attributes[c.DROP_REASON]] = p.value
+                            dropped[str((p.attributes or {})[c.DROP_REASON])] = getattr(p, "value", 0)
         Path(out_dir, "stats.json").write_text(json.dumps({"verdicts": verdicts[0], "dropped": dropped}))
 
     stagetrace.instrument_fastapi(app)
