@@ -375,23 +375,23 @@ def test_pending_batches_wait_for_members_bounded():
     pending = PendingBatches(decisions, wait_s=5, max_pending=2)
     spans = [("span",)]
     assert pending.offer(100, [1, 2], spans, now=0, fallback=False) == []
-    assert pending.member_decided(1, False) == []
-    assert pending.member_decided(2, True) == spans and len(pending) == 0
+    assert pending.member_decided(1, kept=False) == []
+    assert pending.member_decided(2, kept=True) == spans and len(pending) == 0
     assert decisions.known(100) is True
     # all members dropped: the batch is dropped
     pending.offer(101, [3, 4], spans, now=0, fallback=True)
-    pending.member_decided(3, False)
-    assert pending.member_decided(4, False) == [] and decisions.known(101) is False
+    pending.member_decided(3, kept=False)
+    assert pending.member_decided(4, kept=False) == [] and decisions.known(101) is False
     assert pending.offer(106, [], spans, now=0, fallback=True) == spans  # no traced member: on its own
     # members decided before the batch arrived
-    decisions.remember(5, True)
+    decisions.remember(5, kept=True)
     assert pending.offer(102, [5], spans, now=0, fallback=False) == spans
     # expiry falls back to the healthy share; overflow settles the oldest
     pending.offer(103, [6], spans, now=0, fallback=True)
     pending.offer(104, [7], [("b",)], now=1, fallback=False)
     assert pending.offer(105, [8], [("c",)], now=2, fallback=False) == spans  # 103 settled, fallback kept
     assert pending.expire(now=6.5) == [] and len(pending) == 1  # 104 expired (at 6), dropped; 105 waits
-    assert pending.member_decided(7, True) == []  # too late for 104
+    assert pending.member_decided(7, kept=True) == []  # too late for 104
     assert pending.expire(now=0, everything=True) == [] and len(pending) == 0
 
 

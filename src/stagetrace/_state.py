@@ -3,6 +3,9 @@ disabled, so an unconfigured or disabled stagetrace costs one branch."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-runtime: Any = None
+if TYPE_CHECKING:
+    from stagetrace.runtime import Runtime
+
+runtime: Runtime | None = None

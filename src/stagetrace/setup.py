@@ -336,7 +336,7 @@ def attach(
     return handle
 
 
-def _enable_gpu(runtime: Runtime, required: bool) -> None:
+def _enable_gpu(runtime: Runtime, *, required: bool) -> None:
     """Hook for the GPU timer and NVML sampler (stagetrace.gpu); absent pieces switch off with a warning."""
     from stagetrace.gpu import attach_gpu
 

@@ -78,7 +78,7 @@ def enqueue(name: str, items: int = 1) -> Ticket:
         if span is None or not span.get_span_context().is_valid:
             return Ticket(None, items)  # no request to attribute the batch to
         ticket = Ticket(None, items)
-        rec = enter_stage(name, "wait", ticket, False)
+        rec = enter_stage(name, "wait", ticket, sync=False)
         if rec is None:
             return ticket
         _cv_reset(rec.token)  # the wait is not the current span: the request goes on (and awaits) beside it

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from opentelemetry.trace import NonRecordingSpan, SpanContext
 
@@ -27,6 +27,33 @@ def clean_attribute_value(value: Any) -> Any:
     if isinstance(value, (list, tuple)) and all(isinstance(v, _SCALARS) for v in value):
         return tuple(v[:MAX_ATTRIBUTE_VALUE_LENGTH] if isinstance(v, str) else v for v in value[:128])
     return None
+
+
+class LoneStageSink(Protocol):
+    def submit_lone_stage(self, rec: StageRecord) -> None: ...
+
+
+class DropCounter(Protocol):
+    def dropped(self, reason: str, count: int = 1) -> None: ...
+
+
+class CaptureRuntime(Protocol):
+    """What the request path reads of the configured runtime (``stagetrace.runtime.Runtime``): the seam
+    between capture and everything after it."""
+
+    tracer: Any  # the SDK tracer that opens local roots (pipeline(), a stage outside any trace, a batch)
+    max_stages_per_trace: int
+    cpu_signals: Any  # capture.cpu.CpuSignals, or None with Settings(cpu_signals=False)
+    recent_stage_ms: dict[str, float]
+
+    @property
+    def shipper(self) -> LoneStageSink: ...
+    @property
+    def metrics(self) -> DropCounter: ...
+
+    gpu: Any  # gpu.GpuSupport once attached (its request-path side: start, finish, forget, backend)
+
+    def lookup_trace(self, trace_id: int) -> TraceRecord | None: ...
 
 
 class StageRecord(NonRecordingSpan):
@@ -80,7 +107,7 @@ class StageRecord(NonRecordingSpan):
         self,
         name: str,
         kind: str,
-        runtime: Any,
+        runtime: CaptureRuntime,
         trace: TraceRecord | None,
         trace_id: int,
         span_id: int,

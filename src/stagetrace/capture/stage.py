@@ -114,7 +114,7 @@ def _close_root(active: _ActiveRoot, exc: BaseException | None) -> None:
         report_internal_error("pipeline exit")
 
 
-def enter_stage(name: str, kind: str, owner: Any = None, sync: bool = True) -> StageRecord | None:
+def enter_stage(name: str, kind: str, owner: Any = None, *, sync: bool = True) -> StageRecord | None:
     """``sync``: the stage runs without yielding to other tasks (not ``async with``/``async def``), so CPU
     accounting applies and running on the event-loop thread means blocking it."""
     rt = _state.runtime
@@ -270,7 +270,7 @@ class Stage:
 
             @functools.wraps(fn)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                rec = enter_stage(name, kind, None, False)
+                rec = enter_stage(name, kind, None, sync=False)
                 try:
                     result = await fn(*args, **kwargs)
                 except BaseException as e:
@@ -378,7 +378,7 @@ def add_stage(name: str, kind: str, start_ns: int, end_ns: int, **fields: Any) -
     span = _get_context().get(_SPAN_KEY)
     if span is None or not span.get_span_context().is_valid:
         return
-    rec = enter_stage(name, kind, None, False)
+    rec = enter_stage(name, kind, None, sync=False)
     if rec is not None:
         rec.start_ns = start_ns
         for key, value in fields.items():

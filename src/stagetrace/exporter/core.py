@@ -159,15 +159,15 @@ class ExporterCore:
             or any(o[wire.SPAN_STATUS] == _ERROR for o in others)
         )
         keep = decide(verdict, errored=errored, healthy_share=self.settings.healthy_sample, trace_id=trace_id)
-        self.decisions.remember(trace_id, keep.kept)
-        self._export(self.batches.member_decided(trace_id, keep.kept))
+        self.decisions.remember(trace_id, kept=keep.kept)
+        self._export(self.batches.member_decided(trace_id, kept=keep.kept))
         self.metrics.record_trace(verdict, (trace_id, root[wire.SPAN_ID]) if keep.kept else None)
         if dropped_stages:
             self.metrics.dropped("stages_per_trace", dropped_stages)
         if keep.kept:
             out = [sp.stage_span(st, trace_id, offset, flags, state) for st in stages]
             out.extend(others)
-            out.append(sp.root_with_verdict(root, verdict, self.settings.record_query_strings))
+            out.append(sp.root_with_verdict(root, verdict, keep_query_strings=self.settings.record_query_strings))
             self.outputs.export(out)
         if verdict.slow:
             self._log_slow(verdict)
@@ -196,7 +196,7 @@ class ExporterCore:
             float(fill) if isinstance(fill, (int, float)) else None,
         )
         if not flags & 1:
-            self.decisions.remember(trace_id, False)
+            self.decisions.remember(trace_id, kept=False)
             return
         for st in stages:
             sig.resolve_cpu(st)
@@ -205,12 +205,12 @@ class ExporterCore:
         out.extend(sp.batch_spans(root, self._new_span_id_nonzero))
         errored = root[wire.SPAN_STATUS] == _ERROR or any(st.error for st in stages)
         if errored:
-            self.decisions.remember(trace_id, True)
+            self.decisions.remember(trace_id, kept=True)
             self._export(out)
             return
         members = [link[0] for link in root[wire.SPAN_INDEX["links"]]]
         fallback = in_healthy_share(trace_id, self.settings.healthy_sample)
-        self._export(self.batches.offer(trace_id, members, out, time.monotonic(), fallback))
+        self._export(self.batches.offer(trace_id, members, out, time.monotonic(), fallback=fallback))
 
     def _new_span_id_nonzero(self) -> int:
         return self._new_span_id(64) or 1

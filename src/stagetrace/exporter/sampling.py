@@ -68,7 +68,7 @@ class RecentDecisions:
         self._max = max_traces
         self._kept: OrderedDict[int, bool] = OrderedDict()
 
-    def remember(self, trace_id: int, kept: bool) -> None:
+    def remember(self, trace_id: int, *, kept: bool) -> None:
         self._kept[trace_id] = kept
         if len(self._kept) > self._max:
             self._kept.popitem(last=False)
@@ -112,28 +112,28 @@ class PendingBatches:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def offer(self, batch_trace_id: int, member_ids: list[int], spans: Spans, now: float, fallback: bool) -> Spans:
+    def offer(self, batch_trace_id: int, member_ids: list[int], spans: Spans, now: float, *, fallback: bool) -> Spans:
         if not member_ids:  # no traced request in it: a batch judged on its own
-            return self._decided(batch_trace_id, fallback, spans)
+            return self._decided(batch_trace_id, spans, kept=fallback)
         undecided: set[int] = set()
         for member in member_ids:
             known = self.decisions.known(member)
             if known:
-                return self._decided(batch_trace_id, True, spans)
+                return self._decided(batch_trace_id, spans, kept=True)
             if known is None:
                 undecided.add(member)
         if not undecided:
-            return self._decided(batch_trace_id, False, spans)
+            return self._decided(batch_trace_id, spans, kept=False)
         out: Spans = []
         if len(self._pending) >= self.max_pending:
             oldest = next(iter(self._pending))
-            out = self._settle(oldest, self._pending[oldest].fallback)
+            out = self._settle(oldest, kept=self._pending[oldest].fallback)
         self._pending[batch_trace_id] = _Pending(now + self.wait_s, fallback, spans, undecided)
         for member in undecided:
             self._by_member[member] = batch_trace_id
         return out
 
-    def member_decided(self, member_id: int, kept: bool) -> Spans:
+    def member_decided(self, member_id: int, *, kept: bool) -> Spans:
         batch_trace_id = self._by_member.pop(member_id, None)
         if batch_trace_id is None:
             return []
@@ -142,27 +142,27 @@ class PendingBatches:
             return []
         pending.undecided.discard(member_id)
         if kept:
-            return self._settle(batch_trace_id, True)
+            return self._settle(batch_trace_id, kept=True)
         if not pending.undecided:
-            return self._settle(batch_trace_id, False)
+            return self._settle(batch_trace_id, kept=False)
         return []
 
-    def expire(self, now: float, everything: bool = False) -> Spans:
+    def expire(self, now: float, *, everything: bool = False) -> Spans:
         out: Spans = []
         while self._pending:
             batch_trace_id, pending = next(iter(self._pending.items()))
             if not everything and pending.deadline > now:
                 break  # in arrival order, and every batch waits as long
-            out += self._settle(batch_trace_id, pending.fallback)
+            out += self._settle(batch_trace_id, kept=pending.fallback)
         return out
 
-    def _settle(self, batch_trace_id: int, kept: bool) -> Spans:
+    def _settle(self, batch_trace_id: int, *, kept: bool) -> Spans:
         pending = self._pending.pop(batch_trace_id)
         for member in pending.undecided:
             if self._by_member.get(member) == batch_trace_id:
                 del self._by_member[member]
-        return self._decided(batch_trace_id, kept, pending.spans)
+        return self._decided(batch_trace_id, pending.spans, kept=kept)
 
-    def _decided(self, batch_trace_id: int, kept: bool, spans: Spans) -> Spans:
-        self.decisions.remember(batch_trace_id, kept)
+    def _decided(self, batch_trace_id: int, spans: Spans, *, kept: bool) -> Spans:
+        self.decisions.remember(batch_trace_id, kept=kept)
         return spans if kept else []

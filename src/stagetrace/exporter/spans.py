@@ -181,7 +181,7 @@ def strip_query_strings(attributes: dict[str, Any]) -> None:
         attributes.pop(key, None)
 
 
-def root_with_verdict(root: tuple[Any, ...], verdict: Verdict, keep_query_strings: bool = False) -> tuple[Any, ...]:
+def root_with_verdict(root: tuple[Any, ...], verdict: Verdict, *, keep_query_strings: bool = False) -> tuple[Any, ...]:
     """The local root's wire tuple with the verdict attributes and one event per diagnosis."""
     attributes = dict(root[wire.SPAN_ATTRIBUTES])
     if not keep_query_strings:

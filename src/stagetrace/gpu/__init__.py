@@ -184,7 +184,7 @@ class GpuSupport:
         self.guard.uninstall()
 
 
-def attach_gpu(runtime: Any, required: bool = False, **kwargs: Any) -> GpuSupport | None:
+def attach_gpu(runtime: Any, *, required: bool = False, **kwargs: Any) -> GpuSupport | None:
     """Give the runtime GPU support; with ``required`` a missing piece is a warning rather than silence."""
     try:
         support = GpuSupport(runtime, **kwargs)

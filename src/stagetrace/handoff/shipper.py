@@ -41,6 +41,17 @@ class SampleSource(Protocol):
     def drain(self) -> list[tuple[int, float]]: ...
 
 
+class GpuHooks(Protocol):
+    """The helper thread's side of GPU support (``gpu.GpuSupport``): readiness of CUDA events (a query,
+    never a wait), turning them into numbers, discarding those never read, and periodic work."""
+
+    def ready(self, stages: Any, end_epoch_ns: int | None) -> bool: ...
+    def apply(self, rec: Any, perf_to_epoch_ns: int, not_after_ns: int | None = None) -> None: ...
+    def forget(self, rec: Any) -> None: ...
+    def tick(self) -> None: ...
+    def trace_utilization(self, start_epoch_ns: int, end_epoch_ns: int) -> float | None: ...
+
+
 class _FlushMarker:
     __slots__ = ("done", "ok", "seq", "timeout_s")
 
@@ -58,7 +69,7 @@ class _LoneSpan:
         self.span = span
 
 
-def resolve_gpu_once(gpu: Any, rec: Any, offset: int, not_after_ns: int | None = None) -> None:
+def resolve_gpu_once(gpu: GpuHooks, rec: Any, offset: int, not_after_ns: int | None = None) -> None:
     """Turn a stage's CUDA events and NVML window into numbers, once: a batch's stage is shipped with its
     own trace and with every member's (as views, resolved on their source with the batch's clock offset)."""
     if type(rec) is fanout.MemberView:
@@ -86,7 +97,7 @@ class Shipper:
         self.app_metrics = app_metrics
         self.registry = registry
         self.signal_sources = dict(signal_sources)
-        self.gpu: Any = None
+        self.gpu: GpuHooks | None = None
         self.on_thread_start: list[Callable[[], None]] = []  # samplers to (re)start with this thread
         self._seq = itertools.count(1)
         self._init_state()
@@ -161,7 +172,7 @@ class Shipper:
             return False
         return marker.ok
 
-    def flushed(self, seq: int, ok: bool) -> None:
+    def flushed(self, seq: int, *, ok: bool) -> None:
         """The transport's answer to a flush marker."""
         marker = self._sent_flushes.pop(seq, None)
         if marker is not None:
@@ -171,7 +182,7 @@ class Shipper:
     def abandon_flushes(self) -> None:
         """The exporter died with flushes unanswered: they fail now rather than at their timeout."""
         for seq in list(self._sent_flushes):
-            self.flushed(seq, False)
+            self.flushed(seq, ok=False)
 
     def shutdown(self, timeout_s: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -207,7 +218,7 @@ class Shipper:
             if self._stopped and not self._items:
                 return
 
-    def _cycle(self, final: bool = False) -> None:
+    def _cycle(self, *, final: bool = False) -> None:
         messages: list[tuple[Any, ...]] = []
         for name, source in self.signal_sources.items():
             samples = source.drain()
@@ -267,7 +278,7 @@ class Shipper:
             stages += tuple(fanout.gpu_sources(trace))
         return gpu.ready(stages, item[1].end_time)
 
-    def _drain_parked(self, messages: list[tuple[Any, ...]], force: bool) -> None:
+    def _drain_parked(self, messages: list[tuple[Any, ...]], *, force: bool) -> None:
         """Ship the parked traces whose events completed. One that waited past ``gpu_wait_timeout_s``, or the
         oldest ones past ``max_parked`` waiting, go as they are (their unread events are discarded and their
         GPU stages keep wall time), counted."""

@@ -61,7 +61,7 @@ class InlineTransport:
     def send(self, messages: list[tuple[Any, ...]]) -> None:
         for msg in messages:
             if msg[0] == wire.FLUSH:
-                self.shipper.flushed(msg[1], self.core.flush(msg[2]))
+                self.shipper.flushed(msg[1], ok=self.core.flush(msg[2]))
                 continue
             self.core.handle_or_count(msg)
 
@@ -248,7 +248,7 @@ class ProcessTransport:
             if msg[0] == wire.METRIC:
                 replay(self.local.metrics, list(msg[1]))
             elif msg[0] == wire.FLUSH:
-                self.shipper.flushed(msg[1], False)
+                self.shipper.flushed(msg[1], ok=False)
 
     def _send_records(self, writer: NonBlockingWriter, records: list[tuple[Any, ...]]) -> bool:
         """False: the exporter is gone (and is being restarted)."""
@@ -319,6 +319,6 @@ class ProcessTransport:
             elif kind == wire.FLUSH:
                 _, seq, ok = msg
                 ok = self.local.flush(self.settings.shutdown_timeout_s) and ok
-                self.shipper.flushed(seq, ok)
+                self.shipper.flushed(seq, ok=ok)
         except Exception:
             report_internal_error("exporter result dispatch")
