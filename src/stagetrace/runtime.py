@@ -11,8 +11,9 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 
 from stagetrace._version import __version__
 from stagetrace.analysis import Verdict
-from stagetrace.capture.cpu import CpuSignals, GilPressureSampler, LoopLagMonitor
+from stagetrace.capture.cpu import CpuSignals
 from stagetrace.capture.registry import TraceRegistry
+from stagetrace.capture.samplers import GilPressureSampler, LoopLagMonitor
 from stagetrace.conventions import INSTRUMENTATION_NAME
 from stagetrace.exporter.core import ExporterCore
 from stagetrace.exporter.metrics import MetricsRecorder, MetricsSink, StagetraceMetrics

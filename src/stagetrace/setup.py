@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +163,65 @@ def configure(
         logger.info("stagetrace: disabled by environment; stages are no-ops")
         _replace_handle(None)
         return StagetraceHandle(None)
+    settings = _settings_for(settings, slow_threshold_ms, route_slow_thresholds_ms, thresholds)
+    callbacks = _checked_callbacks(on_verdict)
+    resource = _resource(service_name, resource_attributes)
+    service_attr = resource.attributes.get(SERVICE_NAME)
+    plan = _plan_export(
+        settings,
+        service_attr if isinstance(service_attr, str) else None,
+        _as_list(span_exporter),
+        _as_list(metric_reader),
+        traces_path,
+    )
+    tracer_provider = TracerProvider(
+        resource=resource,
+        sampler=LocalRootRecordingSampler(sampler or sampler_from_env()),
+        shutdown_on_exit=False,
+    )
+    meter_provider = MeterProvider(metric_readers=plan.app_readers, resource=resource, shutdown_on_exit=False)
 
+    def exporter_config() -> dict[str, Any]:
+        return _exporter_config(
+            tracer_provider,
+            settings,
+            spans=plan.spans_mode,
+            metrics=plan.metrics_mode,
+            traces_path=plan.process_traces_path(),
+            return_spans=bool(plan.app_exporters),
+            return_metrics=bool(plan.app_readers),
+            return_verdicts=bool(callbacks),
+        )
+
+    runtime = Runtime(
+        tracer_provider=tracer_provider,
+        meter_provider=meter_provider,
+        local=_batching(plan.app_exporters),
+        local_metrics=bool(plan.app_readers),
+        settings=settings,
+        on_verdict=callbacks,
+        exporter_config=exporter_config,
+    )
+    if gpu is not False:
+        _enable_gpu(runtime, required=gpu is True)
+    handle = StagetraceHandle(runtime, tracer_provider, meter_provider, plan.file_path, exporters=plan.app_exporters)
+    _flush_at_process_exit(handle)
+    _replace_handle(handle)
+    _state.runtime = runtime
+    if set_global:
+        _set_globals(tracer_provider, meter_provider)
+    if plan.file_path is not None:
+        logger.info("stagetrace: no exporter configured; writing OTLP JSON lines to %s", plan.file_path)
+    return handle
+
+
+def _settings_for(
+    settings: Settings | None,
+    slow_threshold_ms: float | None,
+    route_slow_thresholds_ms: Mapping[str, float] | None,
+    thresholds: DiagnosisThresholds | None,
+) -> Settings:
+    """The settings with ``configure()``'s own arguments applied (they win over the environment), checked."""
     settings = settings or Settings()
     settings.slow_threshold_ms = (
         float(slow_threshold_ms)
@@ -175,72 +234,62 @@ def configure(
         if not isinstance(thresholds, DiagnosisThresholds):
             raise TypeError("thresholds must be a stagetrace.DiagnosisThresholds")
         settings.thresholds = thresholds
-    settings.validate()
+    return settings.validate()
+
+
+def _checked_callbacks(on_verdict: Any) -> list[Callable[[Verdict], Any]]:
     callbacks = _as_list(on_verdict)
     for cb in callbacks:
         if not callable(cb):
             raise TypeError(f"on_verdict must be callable, got {type(cb).__name__}")
+    return callbacks
 
-    resource = _resource(service_name, resource_attributes)
-    user_exporters = _as_list(span_exporter)
-    user_readers = _as_list(metric_reader)
-    service_attr = resource.attributes.get(SERVICE_NAME)
-    service = service_attr if isinstance(service_attr, str) else None
+
+@dataclass
+class _ExportPlan:
+    """Where spans and metrics go. Exporter objects and readers the user passed stay in the application
+    (``app_*``) and receive what concerns them; what ``OTEL_*`` configures, or the embedded JSON lines file
+    when nothing is configured, is built by the exporter process (``*_mode``), or in the application when
+    ``Settings(export_process=False)``."""
+
+    app_exporters: list[SpanExporter]
+    app_readers: list[MetricReader]
+    spans_mode: str  # what the exporter process builds for spans: "none", "file" or "env"
+    metrics_mode: str  # "none" or "env"
+    file_path: Path | None  # the embedded default's file, when it applies
+    traces_path: str | os.PathLike[str] | None
+    service: str | None
+
+    def process_traces_path(self) -> Path:
+        """Asked in the process the exporter serves: a forked worker gets a file of its own (its pid)."""
+        return Path(self.traces_path) if self.traces_path else default_traces_path(self.service)
+
+
+def _plan_export(
+    settings: Settings,
+    service: str | None,
+    user_exporters: list[SpanExporter],
+    user_readers: list[MetricReader],
+    traces_path: str | os.PathLike[str] | None,
+) -> _ExportPlan:
     file_default = not user_exporters and not span_export_from_env()
     path = (Path(traces_path) if traces_path else default_traces_path(service)) if file_default else None
-    if settings.export_process:
-        # The exporter process builds what OTEL_* configures (or the embedded file); objects the user
-        # passed stay here and receive what concerns them.
-        app_exporters: list[SpanExporter] = user_exporters
-        app_readers: list[MetricReader] = user_readers
-    else:
+    app_exporters, app_readers = user_exporters, user_readers
+    if not settings.export_process:
         app_exporters = user_exporters or span_exporters_from_env() or []
         if file_default:
             factory = None if traces_path else (lambda: default_traces_path(service))
             app_exporters = [JsonLinesSpanExporter(path or default_traces_path(service), path_factory=factory)]
         app_readers = user_readers or metric_readers_from_env() or []
-    spans_mode = "none" if user_exporters else ("file" if file_default else "env")
-    metrics_mode = "none" if user_readers else ("env" if metric_export_from_env() else "none")
-
-    tracer_provider = TracerProvider(
-        resource=resource,
-        sampler=LocalRootRecordingSampler(sampler or sampler_from_env()),
-        shutdown_on_exit=False,
+    return _ExportPlan(
+        app_exporters=app_exporters,
+        app_readers=app_readers,
+        spans_mode="none" if user_exporters else ("file" if file_default else "env"),
+        metrics_mode="none" if user_readers else ("env" if metric_export_from_env() else "none"),
+        file_path=path,
+        traces_path=traces_path,
+        service=service,
     )
-    meter_provider = MeterProvider(metric_readers=app_readers, resource=resource, shutdown_on_exit=False)
-
-    def exporter_config() -> dict[str, Any]:
-        return _exporter_config(
-            tracer_provider,
-            settings,
-            spans=spans_mode,
-            metrics=metrics_mode,
-            traces_path=(Path(traces_path) if traces_path else default_traces_path(service)),
-            return_spans=bool(app_exporters),
-            return_metrics=bool(app_readers),
-            return_verdicts=bool(callbacks),
-        )
-
-    runtime = Runtime(
-        tracer_provider=tracer_provider,
-        meter_provider=meter_provider,
-        local=_batching(app_exporters),
-        local_metrics=bool(app_readers),
-        settings=settings,
-        on_verdict=callbacks,
-        exporter_config=exporter_config,
-    )
-    if gpu is not False:
-        _enable_gpu(runtime, required=gpu is True)
-    handle = StagetraceHandle(runtime, tracer_provider, meter_provider, path, exporters=app_exporters)
-    _flush_at_process_exit(handle)
-    _replace_handle(handle)
-    _state.runtime = runtime
-    if set_global:
-        _set_globals(tracer_provider, meter_provider)
-    if path is not None:
-        logger.info("stagetrace: no exporter configured; writing OTLP JSON lines to %s", path)
-    return handle
 
 
 def _batching(exporters: Sequence[SpanExporter]) -> SpanProcessor | None:

@@ -8,7 +8,8 @@ from stagetrace.analysis.diagnosis import (
     TraceSignals,
     diagnose,
 )
-from stagetrace.analysis.model import BatchInfo, StageLike, StageSample, Verdict, batch_info, build_verdict
+from stagetrace.analysis.model import BatchInfo, StageLike, StageSample, batch_info
+from stagetrace.analysis.verdict import Verdict, build_verdict
 
 __all__ = [
     "BatchInfo",

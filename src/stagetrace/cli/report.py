@@ -7,44 +7,10 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from stagetrace.report.aggregate import Aggregator
-from stagetrace.report.loader import Span, expand_paths, read_traces
+from stagetrace.report.collect import aggregate_files
+from stagetrace.report.loader import expand_paths
 from stagetrace.report.render import html_report, text_report
-from stagetrace.report.traces import batch_execution, batch_waits, is_batch_trace, verdict_for_trace, waterfall
 from stagetrace.settings import DEFAULT_SLOW_THRESHOLD_MS
-
-
-def aggregate_files(
-    paths: list[str],
-    slow_threshold_ms: float = DEFAULT_SLOW_THRESHOLD_MS,
-    err: TextIO | None = None,
-    route: str | None = None,
-    *,
-    batches: bool = True,
-) -> tuple[Aggregator, dict[str, int]]:
-    """Stream trace files into an Aggregator (waterfalls kept for the slowest); ``route`` keeps only traces
-    whose global root has that http.route. Batch executions have a trace (and no route) of their own:
-    ``batches=False`` leaves them out."""
-    err = err or sys.stderr
-    agg = Aggregator()
-
-    def on_trace(spans: list[Span]) -> None:
-        try:
-            if is_batch_trace(spans):
-                if batches:
-                    agg.add_batch(*batch_execution(spans))
-                return
-            verdict = verdict_for_trace(spans, slow_threshold_ms)
-        except Exception as e:  # one odd trace must not stop the report
-            print(f"stagetrace report: trace {spans[0].trace_id}: skipped ({type(e).__name__}: {e})", file=err)
-            return
-        if route is not None and verdict.route != route:
-            return
-        for wait in batch_waits(spans):
-            agg.add_batch_wait(*wait)
-        agg.add(verdict, waterfall(spans) if agg.would_keep(verdict.total_ms) else None)
-
-    return agg, read_traces(paths, on_trace, errors=err)
 
 
 def run_report(

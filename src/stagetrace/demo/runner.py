@@ -175,7 +175,7 @@ def run_demo(
     if handle.traces_path is not None and handle.traces_path.exists():
         # From the exported traces, as `stagetrace report` reads them: the slowest traces get waterfalls, and
         # the batch executions (traces of their own, seen by no verdict) give the batch tables.
-        from stagetrace.cli.report import aggregate_files
+        from stagetrace.report.collect import aggregate_files
 
         for fixed, summary in summaries.items():
             from_file, _ = aggregate_files(

@@ -1,0 +1,116 @@
+"""Background samplers of the process's CPU-side signals: GIL pressure (a thread) and event-loop lag (a task
+per loop). Both only append (epoch ns, lag ms) pairs to a bounded buffer; the helper thread ships them and
+the exporter joins them to each trace's window (``exporter.signals``).
+
+GIL pressure: the sampler thread sleeps ``period`` and records how late it woke up, minus its own run-queue
+time over the sleep (the OS's share of the delay on a busy or oversubscribed host), leaving the wait for
+the GIL. A CPU-bound Python thread holding the GIL makes it wait up to the switch interval (5 ms); with
+the GIL free the remainder is ~0.1 ms. Event-loop lag: a task on each instrumented loop does the same
+with ``asyncio.sleep``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from stagetrace._safety import report_internal_error
+from stagetrace.capture.cpu import CpuSignals
+
+_perf_ns = time.perf_counter_ns
+
+
+class SampleBuffer:
+    """(epoch ns, value) pairs waiting to be shipped; bounded, the oldest dropped first when nobody drains."""
+
+    def __init__(self, max_samples: int = 8192) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=max_samples)
+
+    def add(self, value: float) -> None:
+        self._samples.append((time.time_ns(), value))
+
+    def drain(self) -> list[tuple[int, float]]:
+        out, pop = [], self._samples.popleft
+        try:
+            while True:
+                out.append(pop())
+        except IndexError:
+            return out
+
+
+class GilPressureSampler:
+    """Always-on, one thread: about ``1/period`` wake-ups per second, each a few microseconds."""
+
+    def __init__(self, period_s: float = 0.010, max_samples: int = 8192) -> None:
+        self.period_s = period_s
+        self.series = SampleBuffer(max_samples)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def ensure_running(self) -> None:
+        if self._thread is not None and self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="stagetrace-gil", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        period = self.period_s
+        cpu = CpuSignals()
+        run_queue = cpu.run_queue_ns if cpu.schedstat and cpu._pread is not None else None
+        while not self._stop.is_set():
+            rq0 = run_queue() if run_queue else 0
+            t0 = _perf_ns()
+            time.sleep(period)
+            lag_ns = _perf_ns() - t0 - period * 1e9
+            if run_queue:
+                # The OS's part of the delay (waiting for a CPU after the timer fired) is this thread's
+                # run-queue time; what remains is the wait for the GIL.
+                lag_ns -= run_queue() - rq0
+            self.series.add(max(0.0, lag_ns / 1e6))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class LoopLagMonitor:
+    """One monitor task per event loop, started by the web integrations on the loop's first request."""
+
+    def __init__(self, interval_s: float = 0.050, max_samples: int = 8192) -> None:
+        self.interval_s = interval_s
+        self.series = SampleBuffer(max_samples)
+        self._loops: set[int] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def ensure_running(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        key = id(loop)
+        if key in self._loops:
+            return
+        self._loops.add(key)
+        task = loop.create_task(self._run(), name="stagetrace-loop-lag")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.interval_s
+        try:
+            while True:
+                t0 = loop.time()
+                await asyncio.sleep(interval)
+                self.series.add(max(0.0, (loop.time() - t0 - interval) * 1e3))
+        except asyncio.CancelledError:
+            self._loops.discard(id(loop))
+            raise
+        except Exception:
+            report_internal_error("event-loop lag monitor")
