@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -111,6 +112,34 @@ def otlp_receiver() -> Iterator[Any]:
     r = OtlpReceiver().start()
     yield r
     r.stop()
+
+
+class _InternalErrors(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "stagetrace internal error" in message:
+            self.records.append(message + ("\n" + self.format(record) if record.exc_info else ""))
+
+
+@pytest.fixture(autouse=True)
+def no_internal_errors(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A swallowed bug fails the test: stagetrace contains its own errors (the application never sees them)
+    and logs them, from every thread and from the exporter process (whose log records come back to this
+    process). Tests that cause one on purpose are marked ``internal_errors_expected``."""
+    handler = _InternalErrors()
+    handler.setFormatter(logging.Formatter())
+    log = logging.getLogger("stagetrace")
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+    if handler.records and request.node.get_closest_marker("internal_errors_expected") is None:
+        pytest.fail("stagetrace logged internal errors:\n" + "\n".join(handler.records[:3]), pytrace=False)
 
 
 @pytest.fixture(autouse=True)

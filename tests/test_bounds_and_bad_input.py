@@ -170,6 +170,7 @@ def test_slow_threshold_from_environment(monkeypatch, make_harness):
     assert h.verdicts[0].slow and h.verdicts[0].slow_threshold_ms == 1
 
 
+@pytest.mark.internal_errors_expected
 def test_internal_errors_never_reach_the_application(harness, monkeypatch):
     runtime = harness.handle.runtime
 

@@ -216,6 +216,7 @@ def test_stage_ending_after_its_root_is_exported_but_not_in_the_verdict(harness)
     assert harness.verdicts[0].breakdown == {}
 
 
+@pytest.mark.internal_errors_expected
 def test_on_verdict_callback_errors_are_contained(make_harness):
     seen = []
 
