@@ -6,8 +6,6 @@ import html
 import textwrap
 from typing import Any
 
-from stagetrace.report.aggregate import Aggregator
-
 KIND_COLORS = {
     "cpu": "#4e79a7",
     "io": "#59a14f",
@@ -243,8 +241,3 @@ def html_report(summary: dict[str, Any], slowest: list[tuple[Any, list[dict[str,
         f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{_esc(title)}</title>'
         f"<style>{CSS}</style></head><body>{''.join(body)}</body></html>"
     )
-
-
-def render_all(agg: Aggregator, title: str) -> tuple[str, str]:
-    summary = agg.summary()
-    return text_report(summary, title), html_report(summary, agg.slowest(), title)
