@@ -162,11 +162,17 @@ def test_metric_attributes_follow_the_contract(make_harness):
     with h.tracer.start_as_current_span("GET /x", kind=SpanKind.SERVER, attributes={"http.route": "/x"}):
         with stagetrace.stage("decode"):
             time.sleep(0.005)
+        time.sleep(0.030)  # in no stage: UNTRACKED_TIME fires, so the diagnosis metric has a point to check
     (stage_point,) = h.metric_points(c.METRIC_STAGE_DURATION)
     assert dict(stage_point.attributes) == {c.STAGE: "decode", c.STAGE_KIND: "cpu", c.HTTP_ROUTE: "/x"}
     (trace_point,) = h.metric_points(c.METRIC_TRACE_DURATION)
     assert dict(trace_point.attributes) == {c.HTTP_ROUTE: "/x", c.SLOW: True}
-    codes = {p.attributes[c.DIAGNOSIS_CODE] for p in h.metric_points(c.METRIC_DIAGNOSIS)}
+    (bottleneck_point,) = h.metric_points(c.METRIC_BOTTLENECK)
+    assert dict(bottleneck_point.attributes) == {c.STAGE: "decode"}
+    diagnosis_points = h.metric_points(c.METRIC_DIAGNOSIS)
+    assert all(set(p.attributes) == {c.DIAGNOSIS_CODE} for p in diagnosis_points)
+    codes = {p.attributes[c.DIAGNOSIS_CODE] for p in diagnosis_points}
+    assert "UNTRACKED_TIME" in codes
     assert codes <= {"UNTRACKED_TIME", "LOCK_OR_IO_WAIT"}  # the stage sleeps: off-CPU, GIL free
 
 

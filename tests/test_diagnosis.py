@@ -171,3 +171,78 @@ def test_batch_underfilled_needs_small_batches_a_queue_and_an_idle_gpu():
     assert "BATCH_UNDERFILLED" not in run(batch_member(formation=5, busy=30, items=8, gpu_ms=8))  # half full
     assert "BATCH_UNDERFILLED" not in run(batch_member(formation=35, busy=0, items=2, gpu_ms=8))  # no queue
     assert "BATCH_UNDERFILLED" not in run(batch_member(formation=5, busy=30, items=2, max_size=0, gpu_ms=8))
+
+
+# Every rule's thresholds, each tested just below and at (or just above) its default.
+BOUNDARIES = [
+    # (code, stages below, signals below, stages at, signals at)
+    ("EVENT_LOOP_BLOCKED", HEALTHY, TraceSignals(loop_lag_ms=49.9), HEALTHY, TraceSignals(loop_lag_ms=50.0)),
+    (
+        "EVENT_LOOP_BLOCKED",
+        [cpu("decode", 0, 19.9, on_event_loop=True)],
+        TraceSignals(),
+        [cpu("decode", 0, 20.0, on_event_loop=True)],
+        TraceSignals(),
+    ),
+    (
+        "QUEUEING",
+        [cpu("q", 0, 19.9, kind="wait"), cpu("w", 19.9, 100)],  # 19.9 % of the request
+        TraceSignals(),
+        [cpu("q", 0, 20.1, kind="wait"), cpu("w", 20.1, 100)],
+        TraceSignals(),
+    ),
+    ("UNTRACKED_TIME", [cpu("d", 0, 50.1)], TraceSignals(), [cpu("d", 0, 49.9)], TraceSignals()),
+    (
+        "GPU_STARVED",
+        [cpu("decode", 0, 80)],
+        TraceSignals(gpu_utilization=0.30),
+        [cpu("decode", 0, 80)],
+        TraceSignals(gpu_utilization=0.29),
+    ),
+    (
+        "GPU_STARVED",  # CPU-side stages must hold more than half of the request
+        [cpu("decode", 0, 50), StageSample("infer", "gpu", 50 * MS, 100 * MS, gpu_ms=50)],
+        TraceSignals(gpu_utilization=0.1),
+        [cpu("decode", 0, 51), StageSample("infer", "gpu", 51 * MS, 100 * MS, gpu_ms=49)],
+        TraceSignals(gpu_utilization=0.1),
+    ),
+    (
+        "PAGEABLE_H2D",
+        [StageSample("h2d", "h2d", 0, MS, gpu_ms=1, h2d_bytes=64 * 1024 - 1, h2d_pinned=False)],
+        TraceSignals(),
+        [StageSample("h2d", "h2d", 0, MS, gpu_ms=1, h2d_bytes=64 * 1024, h2d_pinned=False)],
+        TraceSignals(),
+    ),
+    (
+        "GIL_CONTENTION",
+        [cpu("t", 0, 50, blocked_ms=40)],
+        TraceSignals(gil_pressure_ms=1.99),
+        [cpu("t", 0, 50, blocked_ms=40)],
+        TraceSignals(gil_pressure_ms=2.0),
+    ),
+    (
+        "LOCK_OR_IO_WAIT",  # blocked at least 30 % of the stage and 5 ms
+        [cpu("t", 0, 50, blocked_ms=14.9)],
+        TraceSignals(gil_pressure_ms=0.1),
+        [cpu("t", 0, 50, blocked_ms=15.0)],
+        TraceSignals(gil_pressure_ms=0.1),
+    ),
+    (
+        "CPU_OVERSUBSCRIBED",  # run queue at least 30 % of the stage and 5 ms
+        [cpu("t", 0, 16, runqueue_ms=4.9)],
+        TraceSignals(),
+        [cpu("t", 0, 16, runqueue_ms=5.0)],
+        TraceSignals(),
+    ),
+]
+
+
+@pytest.mark.parametrize(("code", "below", "sig_below", "at", "sig_at"), BOUNDARIES, ids=lambda v: str(v)[:20])
+def test_each_threshold_on_both_sides(code, below, sig_below, at, sig_at):
+    assert code not in run(below, signals=sig_below)
+    assert code in run(at, signals=sig_at)
+
+
+def test_event_loop_blocked_is_never_about_a_gpu_stage():
+    gpu_on_loop = [StageSample("infer", "gpu", 0, 40 * MS, gpu_ms=40, on_event_loop=True)]
+    assert "EVENT_LOOP_BLOCKED" not in run(gpu_on_loop)

@@ -50,7 +50,9 @@ def run_scenario(harness, app: FastAPI, path: str, n: int, concurrency: int) -> 
         statuses = hit(base, path, n, concurrency)
     assert statuses == [200] * n
     harness.wait_verdicts(n)
-    return [v for v in harness.verdicts if v.route == path]
+    verdicts = [v for v in harness.verdicts if v.route == path]
+    assert len(verdicts) == n, f"{len(verdicts)} verdicts for {n} requests"
+    return verdicts
 
 
 def codes(verdicts) -> Counter:
