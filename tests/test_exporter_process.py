@@ -313,13 +313,20 @@ def test_the_default_keeps_a_tenth_of_healthy_traces(tmp_path):
 
 def test_an_exporter_that_keeps_dying_is_given_up_and_what_follows_is_counted(make_harness):
     h = make_harness(settings=Settings(exporter_restarts_per_minute=1))
-    for _ in range(2):  # the first death is restarted, the second exceeds the allowance
-        pid = h.handle.exporter_pid
-        run_pipelines(1)
-        h.handle.force_flush(10)
-        os.kill(pid, signal.SIGKILL)
-        assert wait_until(lambda p=pid: h.handle.exporter_pid != p)
-    assert h.handle.exporter_pid is None  # given up, not restarted in a loop
+    first = h.handle.exporter_pid
+    run_pipelines(1)
+    h.handle.force_flush(10)
+    os.kill(first, signal.SIGKILL)
+    # the first death is restarted: wait for the new exporter itself (the pid is None while it restarts)
+    assert wait_until(lambda: h.handle.exporter_pid not in (None, first))
+    second = h.handle.exporter_pid
+    run_pipelines(1)
+    h.handle.force_flush(10)
+    os.kill(second, signal.SIGKILL)
+    # the second exceeds the allowance: given up, not restarted in a loop
+    assert wait_until(lambda: h.handle.exporter_pid is None)
+    time.sleep(0.5)
+    assert h.handle.exporter_pid is None
     t0 = time.monotonic()
     run_pipelines(5)
     assert h.handle.force_flush(5) is False  # says it could not, at once

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 import stagetrace
 from servers import hit, serve
+from stagetrace import conventions as c
 
 
 def busy(ms: float) -> int:
@@ -130,9 +131,26 @@ def test_cpu_stage_beside_a_busy_python_thread_is_gil_contention(harness):
     finally:
         stop.set()
         t.join()
-    found = codes(verdicts)
-    assert found["GIL_CONTENTION"] >= len(verdicts) * 0.7, (found, [v.diagnoses for v in verdicts][:2])
-    assert found["LOCK_OR_IO_WAIT"] == 0
+    # What happened, per request: the stage's own split of its wall time (blocked: waiting for the GIL with
+    # the GIL pressure measured high; run queue: waiting for a CPU, which a busy host adds on top) and the
+    # rule that split calls for. On an idle 2-core host most requests show GIL contention; on a loaded one
+    # the wait moves to the run queue, and the verdict must follow what was measured, never guess a lock.
+    stages = {s.context.trace_id: s.attributes for s in harness.spans() if s.name == "tokenize"}
+    th = stagetrace.DiagnosisThresholds()
+    contended = 0
+    for v in verdicts:
+        a = stages[int(v.trace_id, 16)]
+        wall = v.breakdown["tokenize"]
+        blocked, runqueue = a.get(c.BLOCKED_MS, 0.0), a.get(c.RUNQUEUE_MS, 0.0)
+        gil = v.gil_pressure_ms or 0.0
+        gil_wait = blocked >= max(th.blocked_min_ms, th.blocked_share * wall) and gil >= th.gil_pressure_ms
+        cpu_wait = runqueue >= max(th.runqueue_min_ms, th.runqueue_share * wall)
+        contended += gil_wait or cpu_wait
+        assert ("GIL_CONTENTION" in v.diagnosis_codes) == gil_wait, (v.diagnoses, a, gil)
+        assert ("CPU_OVERSUBSCRIBED" in v.diagnosis_codes) == cpu_wait, (v.diagnoses, a)
+        if gil >= th.gil_pressure_ms:
+            assert "LOCK_OR_IO_WAIT" not in v.diagnosis_codes  # the GIL was contended: never blamed on a lock
+    assert contended >= len(verdicts) * 0.7  # the busy thread really made the stage wait
 
 
 def test_more_sync_requests_than_worker_threads_is_queueing(harness):
