@@ -40,6 +40,16 @@ class FakeGpu:
         return getattr(self.current, "stream", None) or self.default_stream
 
     @contextlib.contextmanager
+    def device(self, index: int) -> Iterator[None]:
+        """``torch.cuda.device(index)``: the calling thread's current device, restored on exit."""
+        previous = getattr(self.current, "device", 0)
+        self.current.device = index
+        try:
+            yield
+        finally:
+            self.current.device = previous
+
+    @contextlib.contextmanager
     def stream(self, stream: FakeStream) -> Iterator[None]:
         previous = getattr(self.current, "stream", None)
         self.current.stream = stream
@@ -158,14 +168,8 @@ class FakeCudaBackend:
     def new_event(self, device_index: int) -> FakeEvent:
         return FakeEvent(self.gpu, enable_timing=True, device=device_index)
 
-    @contextlib.contextmanager
-    def on_device(self, device_index: int) -> Iterator[None]:
-        previous = getattr(self.gpu.current, "device", 0)
-        self.gpu.current.device = device_index
-        try:
-            yield
-        finally:
-            self.gpu.current.device = previous
+    def on_device(self, device_index: int) -> Any:
+        return self.gpu.device(device_index)
 
     def is_pinned(self, tensor: Any) -> bool | None:
         return bool(tensor.is_pinned()) if self._usable else None
@@ -384,16 +388,9 @@ class _FakeTorchCuda:
             self._torch.gpu, enable_timing=enable_timing, device=getattr(self._torch.gpu.current, "device", 0)
         )
 
-    @contextlib.contextmanager
-    def device(self, index: int) -> Iterator[None]:
+    def device(self, index: int) -> Any:
         self._torch.guard("device")
-        gpu = self._torch.gpu
-        previous = getattr(gpu.current, "device", 0)
-        gpu.current.device = index
-        try:
-            yield
-        finally:
-            gpu.current.device = previous
+        return self._torch.gpu.device(index)
 
     def is_current_stream_capturing(self) -> bool:
         gpu = self._torch.gpu

@@ -164,6 +164,14 @@ def test_events_of_traces_evicted_or_dropped_at_the_queue_return_to_the_pool(mak
 # --- items 5 and 6: anchors, device guard, graph capture ---------------------------------------------------
 
 
+def wait_for_anchor(h, support, timeout_s: float = 5.0) -> None:
+    """Clock anchors are taken on the helper thread, every ``anchor_interval_s`` once a device is in use."""
+    deadline = time.monotonic() + timeout_s
+    while not support.timer._anchors.get(0) and time.monotonic() < deadline:
+        h.flush()
+        time.sleep(0.02)
+
+
 def test_gpu_spans_are_placed_with_an_error_bar(make_harness):
     h = make_harness(gpu=False)
     backend = FakeCudaBackend()
@@ -172,10 +180,7 @@ def test_gpu_spans_are_placed_with_an_error_bar(make_harness):
     with stagetrace.pipeline("warm"):
         with stagetrace.gpu_stage("infer"):
             pass
-    deadline = time.monotonic() + 5
-    while not support.timer._anchors.get(0) and time.monotonic() < deadline:
-        h.flush()
-        time.sleep(0.02)
+    wait_for_anchor(h, support)
     with stagetrace.pipeline("r"):
         x = stagetrace.h2d(FakeTensor(backend.gpu, 1 << 20, pinned=True), "cuda:0")
         with stagetrace.gpu_stage("infer"):
@@ -216,10 +221,7 @@ def test_a_placement_past_the_trace_end_is_moved_back_not_dropped(make_harness):
     with stagetrace.pipeline("warm"):
         with stagetrace.gpu_stage("w"):
             pass
-    deadline = time.monotonic() + 5
-    while not support.timer._anchors.get(0) and time.monotonic() < deadline:
-        h.flush()
-        time.sleep(0.02)
+    wait_for_anchor(h, support)
     with stagetrace.pipeline("r"):
         with stagetrace.gpu_stage("infer"):
             fake_model(FakeTensor(backend.gpu, 8), ms=2)

@@ -50,13 +50,13 @@ class MemberView:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.source, name)
 
-    def pack(self, packed_sources: dict[int, list[Any]]) -> tuple[Any, ...]:
+    def pack(self) -> tuple[Any, ...]:
         """The wire tuple: the source's, packed once per batch (after its CUDA events were read), with this
         member's four fields put in."""
-        source = self.source
-        fields = packed_sources.get(source.span_id)
+        source, packed = self.source, self.packed_sources
+        fields = packed.get(source.span_id)
         if fields is None:
-            fields = packed_sources[source.span_id] = list(pack_stage(source))
+            fields = packed[source.span_id] = list(pack_stage(source))
         out = fields.copy()
         i_span, i_parent, i_stage, i_batch = _MEMBER_FIELDS
         out[i_span], out[i_parent], out[i_stage], out[i_batch] = (
@@ -71,7 +71,7 @@ class MemberView:
 def pack_member_stage(stage: Any) -> tuple[Any, ...]:
     """A member trace's stage as its wire tuple; a view reuses its source's packing."""
     if type(stage) is MemberView:
-        return stage.pack(stage.packed_sources)
+        return stage.pack()
     return pack_stage(stage)
 
 
