@@ -87,6 +87,29 @@ def test_no_stages_means_no_bottleneck_and_all_untracked():
     assert a.bottleneck is None and a.ratio == 0.0 and a.untracked_ms == pytest.approx(30)
 
 
+def test_untracked_is_the_headline_when_it_exceeds_every_stage():
+    # 100 ms request, stages of 10 and 5 ms: 85 ms in no stage
+    stages = [StageSample("decode", "cpu", 0, 10 * MS, 1), StageSample("infer", "cpu", 50 * MS, 55 * MS, 2)]
+    a = analyse_trace(0, 100 * MS, stages, 200)
+    assert (a.bottleneck, a.ratio, a.untracked_ms) == ("untracked", pytest.approx(0.85), pytest.approx(85))
+    assert "untracked" not in a.breakdown  # the breakdown stays stages only
+
+
+def test_a_stage_that_equals_untracked_time_keeps_the_headline():
+    # 20 ms request: 10 ms stage, 10 ms in no stage; the stage wins a tie
+    a = analyse_trace(0, 20 * MS, [StageSample("decode", "cpu", 0, 10 * MS, 1)], 200)
+    assert (a.bottleneck, a.ratio) == ("decode", pytest.approx(0.5))
+    a = analyse_trace(0, 20 * MS + 1000, [StageSample("decode", "cpu", 0, 10 * MS, 1)], 200)
+    assert a.bottleneck == "untracked"
+
+
+def test_untracked_is_a_reserved_stage_name():
+    import stagetrace
+
+    with pytest.raises(ValueError, match="reserved"):
+        stagetrace.stage("untracked")
+
+
 intervals = st.tuples(st.integers(0, 10_000), st.integers(0, 10_000)).map(lambda t: (min(t), max(t)))
 
 
@@ -119,5 +142,12 @@ def test_invariants_hold_for_any_trace(trace, threshold):
     wall_sum = sum(x.wall_ms for x in stages) + sum(x.gpu_ms or 0 for x in stages)
     assert sum(a.breakdown.values()) <= wall_sum + 1e-6
     if a.breakdown:
-        assert a.bottleneck in a.breakdown
-        assert a.breakdown[a.bottleneck] == max(a.breakdown.values())
+        largest = max(a.breakdown.values())
+        if a.untracked_ms > largest:
+            assert a.bottleneck == "untracked"
+            assert a.ratio == pytest.approx(min(1.0, a.untracked_ms / a.total_ms))
+        else:
+            assert a.bottleneck in a.breakdown
+            assert a.breakdown[a.bottleneck] == largest
+    else:
+        assert a.bottleneck is None

@@ -287,3 +287,22 @@ def test_report_recomputes_batch_diagnoses_from_span_attributes_and_links():
     verdict = verdict_for_trace(spans_from_line(line("svc", [root, wait, head, forward])))
     assert set(verdict.diagnosis_codes) == {"QUEUEING", "BATCH_UNDERFILLED"}
     assert "2 of 16 items" in next(d.message for d in verdict.diagnoses if d.code == "BATCH_UNDERFILLED")
+
+
+def test_the_report_counts_untracked_as_the_headline_of_traces_mostly_in_no_stage(tmp_path):
+    # 100 ms: decode 10 ms, the rest in no stage; a second trace whose stage holds most of its time
+    spans = [
+        span(T1, "a" * 16, "", "POST /predict", 0, 100, kind=2),
+        stage(T1, "b" * 16, "a" * 16, "decode", 0, 10),
+        span("1" * 32, "c" * 16, "", "POST /predict", 0, 100, kind=2),
+        stage("1" * 32, "d" * 16, "c" * 16, "decode", 0, 80),
+    ]
+    (tmp_path / "t.jsonl").write_text(line("svc", spans) + "\n")
+    out = io.StringIO()
+    assert run_report([str(tmp_path)], as_json=True, out=out, err=io.StringIO()) == 0
+    doc = json.loads(out.getvalue())
+    assert doc["bottlenecks"] == {"untracked": 1, "decode": 1}
+    assert doc["stages"]["decode"]["bottleneck_traces"] == 1
+    text = io.StringIO()
+    assert run_report([str(tmp_path)], out=text, err=io.StringIO()) == 0
+    assert "untracked (in no stage)" in text.getvalue()

@@ -148,3 +148,27 @@ def test_classic_profiler_report_values(monkeypatch, threshold, slow):
         "bottleneck_ratio_pct": 50.0,
         "is_slow_request": slow,
     }
+
+
+def test_untracked_headline_on_the_span_the_metric_and_the_log_line(make_harness, caplog):
+    """A 100 ms request whose only stage took 10 ms: the headline is the 90 ms in no stage."""
+    h = make_harness(slow_threshold_ms=50)
+    with caplog.at_level("WARNING", logger="stagetrace"):
+        root = h.tracer.start_span("request")
+        p0 = time.perf_counter_ns()
+        with use_span(root, end_on_exit=False):
+            rec = enter_stage("decode", "cpu", sync=False)
+            assert rec is not None
+            rec.start_ns = p0 + 5 * MS
+            exit_stage(rec, None, p0 + 15 * MS)
+        root.end(end_time=root.start_time + 100 * MS)
+        (v,) = h.wait_verdicts(1)
+    assert (v.bottleneck, v.bottleneck_ms) == (c.UNTRACKED, pytest.approx(90.0, abs=TOL))
+    assert dict(v.breakdown) == {"decode": pytest.approx(10.0, abs=TOL)}
+    a = h.by_name("request")[0].attributes
+    assert a[c.BOTTLENECK_STAGE] == c.UNTRACKED
+    assert a[c.BOTTLENECK_RATIO] == pytest.approx(0.90, abs=0.001)
+    (point,) = h.metric_points(c.METRIC_BOTTLENECK)
+    assert dict(point.attributes) == {c.STAGE: c.UNTRACKED}
+    (line,) = [r.getMessage() for r in caplog.records if "slow trace" in r.getMessage()]
+    assert "bottleneck untracked 90% (90.0 ms)" in line

@@ -102,6 +102,10 @@ VERDICT_FIELDS: tuple[tuple[str, str, type, int | None], ...] = (
     ("loop_lag_ms", LOOP_LAG_MS, float, None),
 )
 
+# The headline's name for time in no stage, when it exceeds every stage (stagetrace.bottleneck.stage and the
+# bottleneck metric's stage label); a stage may not take this name.
+UNTRACKED = "untracked"
+
 # Stage kinds, in pipeline order.
 STAGE_KINDS = ("cpu", "io", "wait", "h2d", "gpu", "d2h")
 GPU_KINDS = frozenset({"h2d", "gpu", "d2h"})

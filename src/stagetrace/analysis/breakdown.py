@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from stagetrace.analysis.model import StageLike
-from stagetrace.conventions import GPU_KINDS
+from stagetrace.conventions import GPU_KINDS, UNTRACKED
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +44,8 @@ def analyse_trace(
     root_end_ns: int,
     stages: Sequence[StageLike],
     slow_threshold_ms: float,
+    *,
+    untracked_headline: bool = True,
 ) -> TraceAnalysis:
     """Break a local root's time down by stage.
 
@@ -54,6 +56,10 @@ def analyse_trace(
       request's latency and are left out of the breakdown.
     - Occurrences of one name add up; the breakdown is in pipeline order (first start).
     - Untracked time is the root's duration minus the union of all stage intervals within it.
+    - The bottleneck is the stage with the most time, or ``untracked`` when time in no stage exceeds it (a
+      headline must not name a stage that explains a sliver of the request). No stages: no bottleneck.
+      ``untracked_headline=False`` keeps it among the stages (the classic profiler's report, whose callers
+      index the breakdown with it).
     """
     root_end_ns = max(root_end_ns, root_start_ns)
     total_ns = root_end_ns - root_start_ns
@@ -103,11 +109,15 @@ def analyse_trace(
             kinds[name] = st.kind
 
     ordered = dict(sorted(breakdown.items(), key=lambda kv: first_start[kv[0]]))
+    covered = union_length_ns(iv for iv in clipped if iv is not None)
+    untracked_ms = max(0, total_ns - covered) / 1e6
     bottleneck = max(ordered, key=ordered.__getitem__) if ordered else None
+    bottleneck_ms = ordered[bottleneck] if bottleneck is not None else 0.0
+    if untracked_headline and bottleneck is not None and untracked_ms > bottleneck_ms:
+        bottleneck, bottleneck_ms = UNTRACKED, untracked_ms
     ratio = 0.0
     if bottleneck is not None and total_ms > 0:
-        ratio = min(1.0, max(0.0, ordered[bottleneck] / total_ms))
-    covered = union_length_ns(iv for iv in clipped if iv is not None)
+        ratio = min(1.0, max(0.0, bottleneck_ms / total_ms))
     return TraceAnalysis(
         total_ms=total_ms,
         breakdown=ordered,
@@ -115,7 +125,7 @@ def analyse_trace(
         ratio=ratio,
         slow=total_ms > slow_threshold_ms,
         slow_threshold_ms=slow_threshold_ms,
-        untracked_ms=max(0, total_ns - covered) / 1e6,
+        untracked_ms=untracked_ms,
         stage_kinds=kinds,
         charged_ms=tuple(charged),
     )

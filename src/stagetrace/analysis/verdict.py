@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from stagetrace.analysis.breakdown import TraceAnalysis
 from stagetrace.analysis.diagnosis import Diagnosis, TraceSignals
+from stagetrace.conventions import UNTRACKED
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,7 +15,8 @@ class Verdict:
     """What stagetrace concluded about one trace; ``on_verdict`` callbacks receive it.
 
     ``breakdown`` maps stage name to milliseconds (exclusive, GPU time for GPU stages), in pipeline order.
-    ``ratio`` is the bottleneck's share of ``total_ms`` in 0..1.
+    ``bottleneck`` is the stage with the most time, or ``untracked`` when time in no stage exceeds every
+    stage; ``ratio`` is its share of ``total_ms`` in 0..1.
     """
 
     trace_id: str
@@ -33,6 +35,12 @@ class Verdict:
     stage_kinds: Mapping[str, str] = field(default_factory=dict)
     gil_pressure_ms: float | None = None
     loop_lag_ms: float | None = None
+
+    @property
+    def bottleneck_ms(self) -> float:
+        if self.bottleneck == UNTRACKED:
+            return self.untracked_ms
+        return self.breakdown.get(self.bottleneck, 0.0) if self.bottleneck is not None else 0.0
 
     @property
     def diagnosis_codes(self) -> tuple[str, ...]:

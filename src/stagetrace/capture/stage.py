@@ -24,7 +24,7 @@ from stagetrace._compat import running_loop_or_none as _get_running_loop
 from stagetrace._compat import runtime_context_var, span_context_is_a_plain_tuple
 from stagetrace._safety import report_internal_error, warn_once
 from stagetrace.capture.records import StageRecord
-from stagetrace.conventions import STAGE_KINDS
+from stagetrace.conventions import STAGE_KINDS, UNTRACKED
 from stagetrace.settings import CPU_ACCOUNTING_MIN_MS, MAX_STAGE_NAME_LENGTH, MAX_TRACKED_STAGE_NAMES
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -63,6 +63,8 @@ def validate_stage_name(name: object) -> str:
     cleaned = "".join(ch if ch.isprintable() else "?" for ch in name.strip())
     if not cleaned:
         raise ValueError("stage name must be a non-empty string")
+    if cleaned == UNTRACKED:
+        raise ValueError(f"{UNTRACKED!r} is reserved: it names the time in no stage in the verdict")
     if len(cleaned) > MAX_STAGE_NAME_LENGTH:
         warn_once(f"long-name:{cleaned[:32]}", "stagetrace: stage name cut to %d characters", MAX_STAGE_NAME_LENGTH)
         cleaned = cleaned[:MAX_STAGE_NAME_LENGTH]

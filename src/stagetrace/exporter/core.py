@@ -263,7 +263,7 @@ class ExporterCore:
     def _log_slow(self, v: Verdict) -> None:
         where = f" {v.route}" if v.route else ""
         bottleneck = (
-            f"bottleneck {v.bottleneck} {v.ratio:.0%} ({v.breakdown[v.bottleneck]:.1f} ms)"
+            f"bottleneck {v.bottleneck} {v.ratio:.0%} ({v.bottleneck_ms:.1f} ms)"
             if v.bottleneck
             else "no stages recorded"
         )

@@ -130,7 +130,8 @@ class StagetraceMetrics:
             attrs[c.HTTP_ROUTE] = route
         self._trace_duration.record(verdict.total_ms, attrs, context=ctx)
         if verdict.bottleneck is not None:
-            self._bottleneck.add(1, {c.STAGE: self._stage_label(verdict.bottleneck)})
+            b = verdict.bottleneck
+            self._bottleneck.add(1, {c.STAGE: b if b == c.UNTRACKED else self._stage_label(b)})
         for code in verdict.diagnosis_codes:
             self._diagnosis.add(1, {c.DIAGNOSIS_CODE: code})
 

@@ -6,6 +6,8 @@ import html
 import textwrap
 from typing import Any
 
+from stagetrace.conventions import UNTRACKED
+
 KIND_COLORS = {
     "cpu": "#4e79a7",
     "io": "#59a14f",
@@ -60,7 +62,8 @@ def text_report(summary: dict[str, Any], title: str = "stagetrace") -> str:
         width = 40
         for name, count in summary["bottlenecks"].items():
             bar = "#" * max(1, round(width * count / n))
-            out.append(f"  {name:<18} {bar:<{width}} {count / n:6.1%}  ({count})")
+            label = f"{name} (in no stage)" if name == UNTRACKED else name
+            out.append(f"  {label:<18} {bar:<{width}} {count / n:6.1%}  ({count})")
     out += batch_lines(summary)
     out += ["", "Diagnoses"]
     if not summary["diagnoses"]:
