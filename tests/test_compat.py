@@ -90,15 +90,18 @@ def test_executor_saturation_reads_the_pools_bookkeeping():
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from stagetrace._compat import executor_saturated, executor_thread_name_prefix
+    from stagetrace._compat import executor_max_workers, executor_saturated, executor_thread_name_prefix
 
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compat")
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="compat")
     gate = threading.Event()
     try:
         assert executor_thread_name_prefix(pool) == "compat"
+        assert executor_max_workers(pool) == 2
         assert executor_saturated(pool) is False
         pool.submit(gate.wait)
-        pool.submit(gate.wait)  # queued behind the busy worker
+        assert executor_saturated(pool) is False  # a second worker is still to start
+        pool.submit(gate.wait)
+        pool.submit(gate.wait)  # queued behind the two busy workers
         assert executor_saturated(pool) is True
     finally:
         gate.set()

@@ -4,13 +4,11 @@ rule, each naming its cause, and a healthy app that must fire none of them."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import threading
 import time
 from collections import Counter
 
-import anyio.to_thread
 import pytest
 from fastapi import FastAPI
 
@@ -152,27 +150,6 @@ def test_cpu_stage_beside_a_busy_python_thread_is_gil_contention(harness):
             assert "LOCK_OR_IO_WAIT" not in v.diagnosis_codes  # the GIL was contended: never blamed on a lock
     # the busy thread made at least one request measurably wait (how many depends on the host's load)
     assert contended >= 1, [(v.breakdown, stages[int(v.trace_id, 16)], v.gil_pressure_ms) for v in verdicts]
-
-
-def test_more_sync_requests_than_worker_threads_is_queueing(harness):
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        anyio.to_thread.current_default_thread_limiter().total_tokens = 2
-        yield
-
-    app = FastAPI(lifespan=lifespan)
-
-    @app.get("/infer")
-    def infer():
-        with stagetrace.stage("infer", kind="io"):
-            time.sleep(0.05)
-        return {}
-
-    verdicts = run_scenario(harness, app, "/infer", n=16, concurrency=8)
-    found = codes(verdicts)
-    assert found["QUEUEING"] >= len(verdicts) * 0.5, found
-    d = next(d for v in verdicts for d in v.diagnoses if d.code == "QUEUEING")
-    assert d.stage == "threadpool.wait"
 
 
 def test_healthy_endpoints_fire_nothing(harness):

@@ -140,15 +140,23 @@ def meter_provider_is_unset() -> bool:
 
 
 def executor_saturated(pool: ThreadPoolExecutor) -> bool | None:
-    """Every worker busy, or tasks already queued (``_work_queue``, ``_threads``, ``_max_workers``,
-    ``_idle_semaphore``): the executor has no public view of its load. None when the layout differs."""
+    """Every worker started and busy, or started and tasks already queued (``_work_queue``, ``_threads``,
+    ``_max_workers``, ``_idle_semaphore``): the executor has no public view of its load. While it still
+    starts threads a queued task is about to get a new one, so that is not saturation. None when the
+    layout differs."""
     try:
-        if pool._work_queue.qsize() > 0:
-            return True
+        if len(pool._threads) < pool._max_workers:
+            return False
         idle: threading.Semaphore = pool._idle_semaphore
-        return len(pool._threads) >= pool._max_workers and idle._value == 0
+        return pool._work_queue.qsize() > 0 or idle._value == 0
     except AttributeError:
         return None
+
+
+def executor_max_workers(pool: ThreadPoolExecutor) -> int | None:
+    """The pool's size (``_max_workers``), or None when the layout differs."""
+    size = getattr(pool, "_max_workers", None)
+    return size if isinstance(size, int) else None
 
 
 def executor_thread_name_prefix(pool: ThreadPoolExecutor) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import threading
 from typing import Any
 
 from stagetrace import _state
@@ -59,3 +60,39 @@ class Patch:
         if self.applied:
             setattr(self.owner, self.name, self.original)
             self.applied = False
+
+
+class Occupancy:
+    """Tasks handed to a worker pool and not finished yet, counted by our own wrappers, per pool.
+
+    A pool's own state lags behind a burst: anyio yields before a task takes its token, and a new executor
+    thread takes a while to pick its task up, so at submission every arrival of a burst finds the pool
+    looking free. Counting what was handed over says, at submission and deterministically, whether every
+    worker is already spoken for: then the wait that follows is a queue, not dispatch latency.
+    """
+
+    __slots__ = ("_counts", "_lock")
+
+    def __init__(self) -> None:
+        self._counts: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def enter(self, pool: object) -> int:
+        """Count one more task for ``pool``; returns how many were there before it."""
+        key = id(pool)
+        with self._lock:
+            before = self._counts.get(key, 0)
+            self._counts[key] = before + 1
+        return before
+
+    def leave(self, pool: object) -> None:
+        key = id(pool)
+        with self._lock:
+            left = self._counts.get(key, 0) - 1
+            if left > 0:
+                self._counts[key] = left
+            else:
+                self._counts.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._counts)

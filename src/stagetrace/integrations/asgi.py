@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
 from typing import Any
 
 from opentelemetry.context import Context, attach, detach, get_current
@@ -13,9 +12,8 @@ from opentelemetry.trace import get_current_span
 
 from stagetrace import _state
 from stagetrace.capture.records import StageRecord
-from stagetrace.capture.stage import add_stage
 from stagetrace.integrations._common import Patch
-from stagetrace.settings import MIN_WAIT_NS
+from stagetrace.integrations.threads import OCCUPANCY, timed_wait
 
 THREADPOOL_WAIT_STAGE = "threadpool.wait"
 
@@ -25,28 +23,35 @@ def _make_run_in_threadpool(original: Any) -> Any:
     async def run_in_threadpool(func: Any, *args: Any, **kwargs: Any) -> Any:
         if _state.runtime is None:
             return await original(func, *args, **kwargs)
-        saturated = _pool_saturated()
-        submitted = time.perf_counter_ns()
-
-        def timed(*a: Any, **k: Any) -> Any:
-            # Runs on the worker, in the request's copied context: the wait ends when a thread picks it up.
-            started = time.perf_counter_ns()
-            if started - submitted >= MIN_WAIT_NS:
-                add_stage(THREADPOOL_WAIT_STAGE, "wait", submitted, started, queue_saturated=saturated)
-            return func(*a, **k)
-
-        return await original(timed, *args, **kwargs)
+        limiter = _default_limiter()
+        if limiter is None:
+            return await original(timed_wait(func, THREADPOOL_WAIT_STAGE, None), *args, **kwargs)
+        saturated = _limiter_saturated(limiter, OCCUPANCY.enter(limiter))
+        try:
+            # The wrapped function runs on the worker, in the request's copied context.
+            return await original(timed_wait(func, THREADPOOL_WAIT_STAGE, saturated), *args, **kwargs)
+        finally:
+            OCCUPANCY.leave(limiter)  # the token goes back in this same step of the loop
 
     return run_in_threadpool
 
 
-def _pool_saturated() -> bool | None:
-    """Was every worker token of the anyio thread limiter taken when the request asked for one?"""
+def _default_limiter() -> Any:
     try:
         import anyio.to_thread
 
-        stats = anyio.to_thread.current_default_thread_limiter().statistics()
-        return stats.borrowed_tokens >= stats.total_tokens or stats.tasks_waiting > 0
+        return anyio.to_thread.current_default_thread_limiter()
+    except Exception:
+        return None
+
+
+def _limiter_saturated(limiter: Any, before: int) -> bool | None:
+    """Was every token of the anyio thread limiter spoken for when the request asked for one: by the
+    requests counted before it (anyio yields before taking a token, so in a burst the limiter's own
+    count lags), or by other users of the limiter?"""
+    try:
+        total = limiter.total_tokens
+        return before >= total or limiter.borrowed_tokens >= total
     except Exception:
         return None
 

@@ -4,7 +4,8 @@
 submitter's context, so stages in workers land in the request's trace. (``asyncio.to_thread`` and
 starlette's ``run_in_threadpool`` already copy it.) Inside a trace, the time between submission and a
 worker picking the task up becomes a ``wait`` stage named after the pool (``<thread_name_prefix>.wait``),
-noting whether every worker was busy, so QUEUEING can be told apart from dispatch latency.
+noting whether every worker was spoken for at submission (``Occupancy``), so QUEUEING can be told apart
+from dispatch latency whatever the order of arrival.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from typing import Any
 from opentelemetry.trace import get_current_span
 
 from stagetrace import _state
-from stagetrace._compat import executor_saturated, executor_thread_name_prefix
+from stagetrace._compat import executor_max_workers, executor_saturated, executor_thread_name_prefix
 from stagetrace.capture.stage import add_stage
-from stagetrace.integrations._common import Patch
+from stagetrace.integrations._common import Occupancy, Patch
 from stagetrace.settings import MIN_WAIT_NS
 
 _UNNAMED_POOL = re.compile(r"ThreadPoolExecutor-\d+")
@@ -36,25 +37,50 @@ def _wait_stage_name(pool: Any) -> str:
     return f"{prefix}.wait"
 
 
+OCCUPANCY = Occupancy()
+
+
+def _saturated_at_submit(pool: Any) -> bool | None:
+    """Counts this task in; True when every worker was already spoken for (it will queue)."""
+    before = OCCUPANCY.enter(pool)
+    size = executor_max_workers(pool)
+    if size is not None and before >= size:
+        return True
+    return executor_saturated(pool)  # tasks submitted before stagetrace was on are not in the count
+
+
 def _make_submit(original: Any) -> Any:
     @functools.wraps(original)
     def submit(self: Any, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
         ctx = contextvars.copy_context()
-        if _state.runtime is None or not get_current_span().get_span_context().is_valid:
+        if _state.runtime is None:
             return original(self, ctx.run, fn, *args, **kwargs)
-        name = _wait_stage_name(self)
-        saturated = executor_saturated(self)
-        submitted = time.perf_counter_ns()
-
-        def timed(*a: Any, **k: Any) -> Any:
-            started = time.perf_counter_ns()
-            if started - submitted >= MIN_WAIT_NS:
-                add_stage(name, "wait", submitted, started, queue_saturated=saturated)
-            return fn(*a, **k)
-
-        return original(self, ctx.run, timed, *args, **kwargs)
+        saturated = _saturated_at_submit(self)
+        try:
+            if not get_current_span().get_span_context().is_valid:
+                future = original(self, ctx.run, fn, *args, **kwargs)
+            else:
+                future = original(self, ctx.run, timed_wait(fn, _wait_stage_name(self), saturated), *args, **kwargs)
+        except BaseException:
+            OCCUPANCY.leave(self)
+            raise
+        future.add_done_callback(lambda _: OCCUPANCY.leave(self))  # also when cancelled before it ran
+        return future
 
     return submit
+
+
+def timed_wait(fn: Any, name: str, saturated: bool | None) -> Any:
+    """``fn`` recording, on the worker, the wait from now until a worker picked it up."""
+    submitted = time.perf_counter_ns()
+
+    def timed(*a: Any, **k: Any) -> Any:
+        started = time.perf_counter_ns()
+        if started - submitted >= MIN_WAIT_NS:
+            add_stage(name, "wait", submitted, started, queue_saturated=saturated)
+        return fn(*a, **k)
+
+    return timed
 
 
 SUBMIT = Patch(concurrent.futures.ThreadPoolExecutor, "submit", _make_submit)

@@ -1,0 +1,130 @@
+"""QUEUEING judged by what the request lived, whatever the order of arrival: a request that waited because
+every worker was spoken for is queueing; a wait for a free worker to wake up (dispatch latency) is not.
+Burst, steady and trickle arrivals against a real uvicorn with a 4-token anyio limiter, and an executor
+driven in-process."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import time
+
+import anyio.to_thread
+import pytest
+from fastapi import FastAPI
+
+import stagetrace
+from stagetrace import conventions as c
+from stagetrace.integrations._common import Occupancy
+from test_scenarios import run_scenario
+
+TOKENS = 4
+STAGE_MS = 100
+QUEUED_MS = 50  # a request that waited this long with 4 tokens and 100 ms requests waited for a token
+
+
+def limited_app() -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        anyio.to_thread.current_default_thread_limiter().total_tokens = TOKENS
+        yield
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.get("/infer")
+    def infer():
+        with stagetrace.stage("infer", kind="io"):
+            time.sleep(STAGE_MS / 1000)
+        return {}
+
+    return app
+
+
+def split(verdicts):
+    wait = lambda v: v.breakdown.get("threadpool.wait", 0.0)  # noqa: E731
+    queued = [v for v in verdicts if wait(v) >= QUEUED_MS]
+    served = [v for v in verdicts if wait(v) < QUEUED_MS]
+    return queued, served
+
+
+def test_a_burst_is_queueing_for_every_request_that_waited_for_a_token(harness):
+    verdicts = run_scenario(harness, limited_app(), "/infer", n=16, concurrency=16)
+    queued, served = split(verdicts)
+    assert len(queued) == 16 - TOKENS  # all arrived at once: 4 served at once, 12 behind them
+    assert all("QUEUEING" in v.diagnosis_codes for v in queued)
+    assert not any("QUEUEING" in v.diagnosis_codes for v in served)
+    d = next(d for d in queued[0].diagnoses if d.code == "QUEUEING")
+    assert d.stage == "threadpool.wait"
+
+
+def test_steady_arrivals_above_capacity_are_queueing(harness):
+    verdicts = run_scenario(harness, limited_app(), "/infer", n=24, concurrency=2 * TOKENS)
+    queued, served = split(verdicts)
+    assert len(queued) >= TOKENS  # at least the first wave found every token taken
+    assert all("QUEUEING" in v.diagnosis_codes for v in queued)
+    assert not any("QUEUEING" in v.diagnosis_codes for v in served)
+
+
+@pytest.mark.parametrize("concurrency", [TOKENS, 1], ids=["steady-at-capacity", "trickle"])
+def test_arrivals_within_capacity_never_queue(harness, concurrency):
+    # Each client sends its next request after the response, so a token is always free: any wait is
+    # dispatch latency, however long the GIL or the host makes it.
+    verdicts = run_scenario(harness, limited_app(), "/infer", n=12, concurrency=concurrency)
+    assert not any("QUEUEING" in v.diagnosis_codes for v in verdicts)
+    saturated = [s for s in harness.by_name("threadpool.wait") if s.attributes.get(c.QUEUE_SATURATED)]
+    assert saturated == []
+
+
+@pytest.fixture
+def threads_patched():
+    from stagetrace.integrations.threads import propagate_context_to_threads, stop_propagating_context
+
+    propagate_context_to_threads()
+    yield
+    stop_propagating_context()
+
+
+def test_an_executor_burst_marks_exactly_the_tasks_beyond_its_workers_as_queued(harness, threads_patched):
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="infer")
+    try:
+        with stagetrace.pipeline("job"):
+            futures = [pool.submit(time.sleep, 0.03) for _ in range(6)]
+            concurrent.futures.wait(futures)
+        (v,) = harness.wait_verdicts(1)
+    finally:
+        pool.shutdown()
+    waits = sorted(harness.by_name("infer.wait"), key=lambda s: s.start_time)
+    flags = [s.attributes[c.QUEUE_SATURATED] for s in waits]
+    # the first two tasks started new workers (a wait stage only if dispatch took 0.5 ms or more)
+    assert flags[-4:] == [True] * 4 and not any(flags[:-4])
+    assert "QUEUEING" in v.diagnosis_codes
+
+
+def test_cancelled_and_failed_submissions_leave_the_count(harness, threads_patched):
+    from stagetrace.integrations.threads import OCCUPANCY
+
+    gate = concurrent.futures.Future()
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    with stagetrace.pipeline("job"):
+        running = pool.submit(gate.result)
+        queued = pool.submit(gate.result)
+        assert len(OCCUPANCY) == 1
+        assert queued.cancel()
+        gate.set_result(None)
+        running.result(timeout=5)
+    pool.shutdown()
+    with pytest.raises(RuntimeError), stagetrace.pipeline("late"):
+        pool.submit(time.sleep, 0)  # after shutdown: refused, and not counted
+    assert len(OCCUPANCY) == 0
+
+
+def test_occupancy_counts_per_pool_and_forgets_empty_pools():
+    occ = Occupancy()
+    a, b = object(), object()
+    assert [occ.enter(a), occ.enter(a), occ.enter(b)] == [0, 1, 0]
+    occ.leave(a)
+    assert occ.enter(a) == 1
+    occ.leave(a), occ.leave(a), occ.leave(b)
+    assert len(occ) == 0
+    occ.leave(a)  # an extra leave never goes negative
+    assert occ.enter(a) == 0
