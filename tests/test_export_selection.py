@@ -131,3 +131,33 @@ def test_unknown_names_and_protocols_are_errors_that_say_what_to_use(monkeypatch
     with pytest.raises(ValueError, match=expected):
         span_export_from_env()
     metric_export_from_env()  # the traces' own protocol does not concern metrics
+
+
+@pytest.mark.parametrize("signal", ["TRACES", "METRICS"])
+def test_a_signals_own_protocol_variable_is_checked_by_every_entry_point_of_that_signal_only(monkeypatch, signal):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://x:4317")
+    monkeypatch.setenv(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL", "thrift")
+    own, other = (
+        [(span_export_from_env, span_exporters_from_env), (metric_export_from_env, metric_readers_from_env)]
+        if signal == "TRACES"
+        else [(metric_export_from_env, metric_readers_from_env), (span_export_from_env, span_exporters_from_env)]
+    )
+    for entry in own:
+        with pytest.raises(ValueError, match="got 'thrift'"):
+            entry()
+    assert other[0]() is True
+
+
+def test_none_beside_another_metric_exporter_keeps_the_other(monkeypatch):
+    assert reader_exporter_types(monkeypatch, {"OTEL_METRICS_EXPORTER": "none,console"}) == [ConsoleMetricExporter]
+
+
+def test_the_file_exporter_writes_under_the_service_name(monkeypatch, tmp_path):
+    monkeypatch.setenv("STAGETRACE_OUTPUT_DIR", str(tmp_path))
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "ranker")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "file")
+    (exporter,) = span_exporters_from_env()
+    try:
+        assert exporter.path.parent == tmp_path and exporter.path.name.startswith("traces-ranker-")
+    finally:
+        exporter.shutdown()

@@ -166,3 +166,12 @@ def test_threshold_per_route():
     assert s.threshold_for("/gen") == 2000.0
     assert s.threshold_for("/other") == 200.0
     assert s.threshold_for(None) == 200.0
+
+
+def test_settings_from_a_dict_without_thresholds_take_the_default_thresholds():
+    from stagetrace.analysis import DiagnosisThresholds
+    from stagetrace.settings import Settings
+
+    s = Settings.from_dict({"slow_threshold_ms": 50.0, "not_a_field": 1})
+    assert s.slow_threshold_ms == 50.0 and s.thresholds == DiagnosisThresholds()
+    assert Settings.from_dict({"thresholds": {"queueing_ms": 3.0}}).thresholds.queueing_ms == 3.0

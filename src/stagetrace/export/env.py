@@ -17,9 +17,7 @@ PROTOCOLS = ("grpc", "http/protobuf")
 def _names(var: str, endpoint_vars: tuple[str, ...]) -> list[str] | None:
     raw = os.environ.get(var)
     if raw is None or not raw.strip():
-        if not any(os.environ.get(v) for v in endpoint_vars):
-            return None
-        raw = "otlp"
+        return ["otlp"] if any(os.environ.get(v) for v in endpoint_vars) else None
     return [n.strip().lower() for n in raw.split(",") if n.strip()]
 
 
@@ -64,9 +62,7 @@ def span_exporters_from_env(file_path: Path | None = None) -> list[SpanExporter]
     if names is None:
         return None
     exporters: list[SpanExporter] = []
-    for name in names:
-        if name == "none":
-            continue
+    for name in names:  # "none" adds nothing
         if name == "otlp":
             if _protocol("TRACES") == "grpc":
                 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpans
@@ -91,9 +87,7 @@ def metric_readers_from_env() -> list[MetricReader] | None:
     if names is None:
         return None
     readers: list[MetricReader] = []
-    for name in names:
-        if name == "none":
-            continue
+    for name in names:  # "none" adds nothing
         if name == "otlp":
             if _protocol("METRICS") == "grpc":
                 from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcMetrics

@@ -1,0 +1,215 @@
+"""Span materialisation (``exporter.spans``), field by field: pure functions, so each value is checked
+exactly against a record built by hand."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.trace import SpanKind, StatusCode
+
+from stagetrace import conventions as c
+from stagetrace.analysis import BatchInfo, Diagnosis, Verdict
+from stagetrace.exporter import spans as sp
+from stagetrace.handoff import wire
+from stagetrace.settings import MAX_LINKS_PER_SPAN
+
+F = wire.SPAN_INDEX
+MS = 1_000_000
+
+
+def record(name="decode", kind="cpu", start_ms=0.0, end_ms=10.0, **fields):
+    base = {f: None for f in wire.STAGE_FIELDS}
+    base.update(
+        name=name,
+        kind=kind,
+        span_id=0xA,
+        parent_span_id=0xB,
+        parent_stage_id=0,
+        start_ns=int(start_ms * MS),
+        end_ns=int(end_ms * MS),
+        on_event_loop=False,
+    )
+    base.update(fields)
+    return wire.ShippedStage(tuple(base[f] for f in wire.STAGE_FIELDS))
+
+
+def test_a_stage_span_carries_its_times_ids_and_kind():
+    span = sp.stage_span(record(on_event_loop=True), 0x1234, 5 * MS, 1, "k=v")
+    assert span[F["name"]] == "decode" and span[F["trace_id"]] == 0x1234
+    assert (span[F["span_id"]], span[F["parent_span_id"]]) == (0xA, 0xB)
+    assert span[F["parent_is_remote"]] is False
+    assert span[F["kind"]] == SpanKind.INTERNAL.value
+    assert (span[F["start_ns"]], span[F["end_ns"]]) == (5 * MS, 15 * MS)
+    assert span[F["status_code"]] == StatusCode.UNSET.value and span[F["status_description"]] == ""
+    assert span[F["events"]] == () and span[F["links"]] == ()
+    assert (span[F["flags"]], span[F["trace_state"]], span[F["dropped_attributes"]]) == (1, "k=v", 0)
+    assert span[F["attributes"]] == {c.STAGE: "decode", c.STAGE_KIND: "cpu", c.ON_EVENT_LOOP: True}
+
+
+def test_a_failed_stage_has_the_exception_event_and_an_error_status_cut_to_256_characters():
+    message = "x" * 300
+    span = sp.stage_span(record(error=("ValueError", message, "Traceback ...")), 1, 0, 1, "")
+    ((name, ts, attrs),) = span[F["events"]]
+    assert (name, ts) == ("exception", 10 * MS)
+    assert attrs == {
+        "exception.type": "ValueError",
+        "exception.message": message,
+        "exception.stacktrace": "Traceback ...",
+    }
+    assert span[F["status_code"]] == StatusCode.ERROR.value
+    assert span[F["status_description"]] == f"ValueError: {message}"[:256]
+    assert len(span[F["status_description"]]) == 256
+
+
+def wait_with(**batch):
+    return record("infer.queue", "wait", 0, 20, batch=BatchInfo(**{**BASE_BATCH, **batch}))
+
+
+BASE_BATCH = dict(id="b1", size=3, items=7, member_index=1, member_items=2, max_size=0)
+
+
+def test_batch_attributes_of_a_wait_carry_its_split_rounded_to_microseconds():
+    attrs = sp.batch_attributes(wait_with(formation_ms=1.23456, busy_ms=2.34567))
+    assert attrs == {
+        c.BATCH_ID: "b1",
+        c.BATCH_SIZE: 3,
+        c.BATCH_ITEMS: 7,
+        c.BATCH_INDEX: 1,
+        c.BATCH_FORMATION_MS: 1.235,
+        c.BATCH_BUSY_MS: 2.346,
+    }
+    assert sp.batch_attributes(wait_with(formation_ms=1.0, busy_ms=None))[c.BATCH_BUSY_MS] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kind", "gpu_ms", "share"),
+    [("gpu", 7.0, 2.0), ("cpu", 7.0, 2.857), ("gpu", None, 2.857)],
+    ids=["gpu-time", "cpu-stage-ignores-gpu-ms", "gpu-stage-without-events"],
+)
+def test_a_batch_stage_carries_the_members_share_of_its_time(kind, gpu_ms, share):
+    # 10 ms of wall time (7 ms on the GPU), this member's 2 of the batch's 7 items
+    stage = record("forward", kind, 0, 10, gpu_ms=gpu_ms, batch=BatchInfo(**BASE_BATCH))
+    assert sp.batch_attributes(stage)[c.BATCH_SHARE_MS] == share
+
+
+def test_only_a_members_batch_stage_with_a_max_size_carries_max_size_and_fill():
+    head = record("infer", "cpu", batch=BatchInfo(**{**BASE_BATCH, "max_size": 16}, link_trace_id=1, link_span_id=2))
+    attrs = sp.batch_attributes(head)
+    assert (attrs[c.BATCH_MAX_SIZE], attrs[c.BATCH_FILL]) == (16, 0.4375)
+    head3 = record("infer", "cpu", batch=BatchInfo(**{**BASE_BATCH, "max_size": 3}, link_trace_id=1, link_span_id=2))
+    assert sp.batch_attributes(head3)[c.BATCH_FILL] == 2.3333  # 7 items over a max of 3, four digits
+    inner = record("forward", "cpu", batch=BatchInfo(**{**BASE_BATCH, "max_size": 16}))
+    assert c.BATCH_MAX_SIZE not in sp.batch_attributes(inner) and c.BATCH_FILL not in sp.batch_attributes(inner)
+    no_max = record("infer", "cpu", batch=BatchInfo(**BASE_BATCH, link_trace_id=1, link_span_id=2))
+    assert c.BATCH_FILL not in sp.batch_attributes(no_max)
+    assert sp.stage_links(head, 1) == ((1, 2, 1, "", {}),)
+    assert sp.stage_links(inner, 1) == ()
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        BatchInfo("b1", 3, 7, 2, 1, 0, formation_ms=1.5, busy_ms=0.25),
+        BatchInfo("b1", 3, 7, 2, 1, 16, 0xAB, 0xCD),
+        BatchInfo("b1", 3, 7, 0, 1, 0),
+    ],
+    ids=["wait", "member-batch-stage", "inner-stage"],
+)
+def test_batch_attributes_read_back_to_the_same_batch(batch):
+    stage = record("s", "cpu", batch=batch)
+    link = (batch.link_trace_id, batch.link_span_id) if batch.link_span_id else None
+    assert sp.batch_from_attributes(sp.batch_attributes(stage), link) == batch
+
+
+def test_batch_attributes_of_the_wrong_types_read_as_absent():
+    attrs = {c.BATCH_ID: "b", c.BATCH_SIZE: True, c.BATCH_ITEMS: "7", c.BATCH_BUSY_MS: 3.0}
+    assert sp.batch_from_attributes(attrs, None) == BatchInfo("b", 0, 0, 0, 1, 0, 0, 0, None, None)
+    assert sp.batch_from_attributes({c.BATCH_ID: 5}, None) is None
+
+
+def verdict(**kw):
+    base = dict(
+        trace_id="t",
+        root_name="GET /x",
+        total_ms=100.0,
+        breakdown={"decode": 12.3456789, "infer": 40.0},
+        bottleneck="infer",
+        ratio=0.4,
+        slow=False,
+        slow_threshold_ms=200.0,
+        untracked_ms=47.6543,
+        gpu_utilization=0.5,
+        loop_lag_ms=3.0,
+    )
+    base.update(kw)
+    return Verdict(**base)
+
+
+def test_verdict_attributes_round_the_breakdown_to_microseconds():
+    attrs = sp.verdict_attributes(verdict())
+    assert attrs[c.STAGES] == ("decode", "infer") and attrs[c.STAGES_MS] == (12.346, 40.0)
+    assert attrs[c.UNTRACKED_MS] == 47.654 and attrs[c.BOTTLENECK_RATIO] == 0.4
+
+
+def test_a_verdict_without_a_bottleneck_has_no_ratio_but_every_later_field():
+    attrs = sp.verdict_attributes(verdict(breakdown={}, bottleneck=None, ratio=0.0))
+    assert c.BOTTLENECK_RATIO not in attrs and c.BOTTLENECK_STAGE not in attrs
+    assert attrs[c.GPU_UTILIZATION] == 0.5 and attrs[c.LOOP_LAG_MS] == 3.0  # fields after the ratio
+    assert c.STAGES not in attrs and c.DIAGNOSIS not in attrs
+
+
+def root_span(attributes):
+    return (
+        "GET /x",
+        1,
+        2,
+        0,
+        False,
+        SpanKind.SERVER.value,
+        0,
+        100 * MS,
+        attributes,
+        (("earlier", 5, {}),),
+        (),
+        0,
+        "",
+        "s",
+        "1",
+        1,
+        "",
+        0,
+    )
+
+
+QUERY_ATTRS = {"http.target": "/a?b=1?c", "url.full": "http://h/y?z=1", "url.query": "z=1", "http.url": "/plain"}
+
+
+def test_the_root_loses_its_query_strings_by_default_and_gets_one_event_per_diagnosis():
+    d = Diagnosis("QUEUEING", "m", "a", stage="threadpool.wait")
+    root = sp.root_with_verdict(root_span(dict(QUERY_ATTRS)), verdict(diagnoses=(d,)))
+    attrs = root[F["attributes"]]
+    assert (attrs["http.target"], attrs["url.full"], attrs["http.url"]) == ("/a", "http://h/y", "/plain")
+    assert "url.query" not in attrs and attrs[c.DIAGNOSIS] == ("QUEUEING",)
+    earlier, (name, ts, event) = root[F["events"]]
+    assert earlier == ("earlier", 5, {}) and (name, ts) == (c.DIAGNOSIS_EVENT, 100 * MS)
+    assert event == {
+        c.DIAGNOSIS_EVENT_CODE: "QUEUEING",
+        c.DIAGNOSIS_EVENT_MESSAGE: "m",
+        c.DIAGNOSIS_EVENT_ADVICE: "a",
+        c.DIAGNOSIS_EVENT_STAGE: "threadpool.wait",
+    }
+    kept = sp.root_with_verdict(root_span(dict(QUERY_ATTRS)), verdict(), keep_query_strings=True)
+    assert {k: kept[F["attributes"]][k] for k in QUERY_ATTRS} == QUERY_ATTRS
+
+
+def test_a_batch_span_keeps_its_links_up_to_the_bound_and_chains_the_rest_on_child_spans():
+    def with_links(n):
+        root = list(root_span({c.BATCH_ID: "b", "other": 1}))
+        root[F["links"]] = tuple((i + 1, i + 1, 1, "", {}) for i in range(n))
+        return tuple(root)
+
+    assert sp.batch_spans(with_links(MAX_LINKS_PER_SPAN), lambda: 99) == [with_links(MAX_LINKS_PER_SPAN)]
+    head, more = sp.batch_spans(with_links(MAX_LINKS_PER_SPAN + 1), lambda: 99)
+    assert len(head[F["links"]]) == MAX_LINKS_PER_SPAN
+    assert more[F["name"]] == "GET /x members" and more[F["span_id"]] == 99 and more[F["parent_span_id"]] == 2
+    assert more[F["parent_is_remote"]] is False and more[F["events"]] == ()
+    assert more[F["attributes"]] == {c.BATCH_ID: "b"} and len(more[F["links"]]) == 1
