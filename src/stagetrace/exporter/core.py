@@ -224,7 +224,7 @@ class ExporterCore:
             gil_pressure_ms=sig.gil_pressure_ms(gil, start_ns, end_ns, s.gil_sampler_period_s or 0.01)
             if len(gil)
             else None,
-            loop_lag_ms=sig.max_loop_lag_ms(loop, start_ns, end_ns, s.loop_lag_interval_s) if len(loop) else None,
+            loop_lag_ms=sig.max_loop_lag_ms(loop, start_ns, end_ns) if len(loop) else None,
         )
 
     # --- stages and spans outside a held trace --------------------------------------------------------

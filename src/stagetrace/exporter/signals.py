@@ -71,6 +71,14 @@ class LagSeries:
             half = len(times) - self._max // 2
             del times[:half], values[:half]
 
+    @property
+    def times(self) -> list[int]:
+        return self._times
+
+    @property
+    def values(self) -> list[float]:
+        return self._values
+
     def window(self, start_ns: int, end_ns: int) -> list[float]:
         lo = bisect.bisect_left(self._times, start_ns)
         hi = bisect.bisect_right(self._times, end_ns)
@@ -89,10 +97,25 @@ def gil_pressure_ms(
     return round(statistics.fmean(lags), 3) if lags else None
 
 
-def max_loop_lag_ms(series: LagSeries, start_ns: int, end_ns: int, interval_s: float) -> float | None:
-    slack = int(interval_s * 2e9)
-    lags = series.window(start_ns - slack, end_ns + slack)
-    return round(max(lags), 3) if lags else None
+def max_loop_lag_ms(series: LagSeries, start_ns: int, end_ns: int) -> float | None:
+    """The longest stall of the event loop that the request itself lived through, in ms.
+
+    A sample ``(t, lag)`` says the loop could not run from ``t - lag`` to ``t`` (the monitor woke that
+    late). Only the part of that stretch inside the request's window counts, so a stall that ended before
+    the request began, or began after it ended, is not the request's. The first sample after the window is
+    read too: the monitor reports a stall only once the loop is free again. None when no sample reaches the
+    window (a short request between two wake-ups of the monitor: not measured, rather than a neighbour's).
+    """
+    times, values = series.times, series.values
+    lo = bisect.bisect_left(times, start_ns)
+    hi = min(len(times), bisect.bisect_right(times, end_ns) + 1)
+    if lo >= hi:
+        return None
+    worst = 0
+    for t, lag_ms in zip(times[lo:hi], values[lo:hi]):
+        overlap = min(t, end_ns) - max(t - int(lag_ms * 1e6), start_ns)
+        worst = max(worst, overlap)
+    return round(worst / 1e6, 3)
 
 
 def flatten(samples: Iterable[tuple[int, float]]) -> tuple[Any, ...]:
