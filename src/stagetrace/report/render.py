@@ -60,10 +60,11 @@ def text_report(summary: dict[str, Any], title: str = "stagetrace") -> str:
     if summary["bottlenecks"]:
         out += ["", "Bottleneck stage (share of traces)"]
         width = 40
+        labels = {name: f"{name} (in no stage)" if name == UNTRACKED else name for name in summary["bottlenecks"]}
+        label_width = max(18, *map(len, labels.values()))
         for name, count in summary["bottlenecks"].items():
             bar = "#" * max(1, round(width * count / n))
-            label = f"{name} (in no stage)" if name == UNTRACKED else name
-            out.append(f"  {label:<18} {bar:<{width}} {count / n:6.1%}  ({count})")
+            out.append(f"  {labels[name]:<{label_width}} {bar:<{width}} {count / n:6.1%}  ({count})")
     out += batch_lines(summary)
     out += ["", "Diagnoses"]
     if not summary["diagnoses"]:
