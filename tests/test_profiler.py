@@ -131,3 +131,16 @@ def test_configured_inside_an_existing_trace_the_stages_join_it_without_a_root_o
     assert harness.by_name("inference") == []
     (request,) = harness.by_name("request")
     assert harness.by_name("decode")[0].parent.span_id == request.context.span_id
+
+
+def test_a_profiler_reused_inside_a_trace_after_a_run_of_its_own(harness):
+    p = stagetrace.InferencePipelineProfiler()
+    p.start()
+    p.record_stage("decode")
+    p.analyze_and_report()  # its own "inference" root
+    with harness.tracer.start_as_current_span("request"):
+        p.start()  # inside a trace now: no root of its own
+        p.record_stage("decode")
+        assert p.analyze_and_report()["bottleneck_stage"] == "decode"
+    harness.wait_verdicts(2)
+    assert len(harness.by_name("inference")) == 1

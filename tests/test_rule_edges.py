@@ -221,3 +221,13 @@ def test_a_shipped_batch_field_must_be_a_tuple_of_six_to_ten_values():
     for bad in (["b", 2, 2, 0, 1, 8, 1], ("b", 2, 2, 0, 1), ("b", 2, 2, 0, 1, 8, 1, 2, 3.0, 4.0, 5)):
         with pytest.raises(ValueError, match=r"^malformed batch field$"):
             batch_info(bad)
+
+
+def test_a_copy_of_unknown_size_never_meets_a_size_threshold():
+    unknown = StageSample("h2d", "h2d", 0, 5 * MS, gpu_ms=4.0, h2d_bytes=None, h2d_pinned=False)
+    assert "PAGEABLE_H2D" not in run([unknown], thresholds=DiagnosisThresholds(pageable_min_bytes=1))
+
+
+def test_batch_underfilled_names_the_gpu_share_when_utilisation_was_measured_but_not_low():
+    found = run(underfilled_trace(head_ms=10, gpu_ms=1), signals=TraceSignals(gpu_utilization=0.8))
+    assert found["BATCH_UNDERFILLED"].message.endswith("; GPU stages 10% of its run")
