@@ -56,7 +56,7 @@ def panel(pid: int, title: str, kind: str, grid: tuple[int, int, int, int], targ
         "datasource": DS,
         "gridPos": {"x": x, "y": y, "w": w, "h": h},
         "targets": targets,
-        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "fieldConfig": {"defaults": defaults, "overrides": kw.pop("overrides", [])},
         "options": kw.pop(
             "options",
             {"legend": {"displayMode": "table", "placement": "right", "calcs": ["mean"]}, "tooltip": {"mode": "multi"}},
@@ -132,6 +132,9 @@ def build() -> dict:
                 )
             ],
             options={**stat_opts, "textMode": "name"},
+            description="The stage that most often held the most time of a trace; 'untracked' when time in no "
+            "stage exceeded every stage (add stages there), 'event_loop.wait' when requests mostly waited for "
+            "their event loop while other requests' sync stages held it.",
         ),
         panel(
             5,
@@ -187,6 +190,14 @@ def build() -> dict:
                 "legend": {"showLegend": False},
                 "xField": "stagetrace_stage",
             },
+            description="Per trace, the stage with the most time; 'untracked' counts traces where time in no "
+            "stage exceeded every stage.",
+            overrides=[
+                {
+                    "matcher": {"id": "byName", "options": "untracked"},
+                    "properties": [{"id": "color", "value": {"mode": "fixed", "fixedColor": "gray"}}],
+                }
+            ],
         ),
         panel(
             9,
