@@ -138,3 +138,36 @@ def test_batch_underfilled_message():
     )
     idle = run(stages, signals=TraceSignals(gpu_utilization=0.05))
     assert idle["BATCH_UNDERFILLED"].message.endswith("; GPU utilisation 5%")
+
+
+def test_event_loop_blocked_on_a_request_that_waited_names_what_held_its_loop():
+    waits = [cpu("event_loop.wait", 0, 10, kind="wait"), cpu("event_loop.wait", 40, 60, kind="wait")]
+    held = TraceSignals(blocked_by=("resize " + "a" * 32, "decode " + "b" * 32))
+    found = run([*waits, cpu("work", 60, 100)], signals=held)
+    assert only(found, "EVENT_LOOP_BLOCKED") == (
+        "the request waited 30.0 ms (30%) for the event loop while other requests' sync stages held it: "
+        f"'resize' of trace {'a' * 32} and 1 more",
+        "event_loop.wait",
+    )
+    assert "QUEUEING" not in found  # no worker pool to grow: the loop wait is not a queue
+
+
+def test_event_loop_blocked_names_the_requests_own_stage_when_it_held_the_loop_longer_than_it_waited():
+    stages = [
+        cpu("event_loop.wait", 0, 30, kind="wait"),
+        cpu("resize", 30, 70, on_event_loop=True),
+        cpu("post", 70, 100),
+    ]
+    assert only(run(stages), "EVENT_LOOP_BLOCKED") == (
+        "sync stage 'resize' ran 40.0 ms on the event-loop thread",
+        "resize",
+    )
+
+
+def test_an_event_loop_wait_fires_from_its_minimum_and_share():
+    def waited(wait_ms, total_ms):
+        stages = [cpu("event_loop.wait", 0, wait_ms, kind="wait"), cpu("w", wait_ms, total_ms)]
+        return "EVENT_LOOP_BLOCKED" in run(stages, total_ms=total_ms)
+
+    assert waited(20, 100) and not waited(19.9, 99.5)  # 20 ms, 20 %
+    assert not waited(25, 200)  # 12.5 % of the request

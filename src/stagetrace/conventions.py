@@ -34,6 +34,9 @@ BATCH_FILL = "stagetrace.batch.fill"
 BATCH_FORMATION_MS = "stagetrace.batch.formation_ms"
 BATCH_BUSY_MS = "stagetrace.batch.busy_ms"
 BATCH_ABANDONED = "stagetrace.batch.abandoned"
+# the event-loop wait (a `wait` stage stagetrace adds) and the blocking stages on the other side of it
+BLOCKED_BY = "stagetrace.blocked_by"  # on the wait span and the victim's root: "<stage> <trace id>", longest first
+DELAYED_REQUESTS = "stagetrace.delayed_requests"  # on a blocking stage and its root: other requests on its loop
 
 # --- verdict attributes, on the trace's local root span --------------------------------------------------
 TOTAL_MS = "stagetrace.total_ms"
@@ -100,11 +103,17 @@ VERDICT_FIELDS: tuple[tuple[str, str, type, int | None], ...] = (
     ("gpu_utilization", GPU_UTILIZATION, float, 4),
     ("gil_pressure_ms", GIL_PRESSURE_MS, float, None),
     ("loop_lag_ms", LOOP_LAG_MS, float, None),
+    ("blocked_by", BLOCKED_BY, tuple, None),
+    ("delayed_requests", DELAYED_REQUESTS, int, None),
 )
 
 # The headline's name for time in no stage, when it exceeds every stage (stagetrace.bottleneck.stage and the
 # bottleneck metric's stage label); a stage may not take this name.
 UNTRACKED = "untracked"
+# The stage stagetrace adds for time a request spent ready while other requests' sync stages held its event
+# loop; reserved like UNTRACKED.
+EVENT_LOOP_WAIT = "event_loop.wait"
+RESERVED_STAGE_NAMES = frozenset({UNTRACKED, EVENT_LOOP_WAIT})
 
 # Stage kinds, in pipeline order.
 STAGE_KINDS = ("cpu", "io", "wait", "h2d", "gpu", "d2h")

@@ -12,6 +12,7 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from stagetrace._version import __version__
 from stagetrace.analysis import Verdict
 from stagetrace.capture.cpu import CpuSignals
+from stagetrace.capture.loopblocks import LoopBlockBuffer
 from stagetrace.capture.registry import TraceRegistry
 from stagetrace.capture.samplers import GilPressureSampler, LoopLagMonitor
 from stagetrace.conventions import INSTRUMENTATION_NAME
@@ -66,12 +67,15 @@ class Runtime:
         sources: dict[str, Any] = {LOOP_SERIES: self.loop_monitor.series}
         if self.gil_sampler is not None:
             sources[GIL_SERIES] = self.gil_sampler.series
+        self.loop_blocks = LoopBlockBuffer()
+        self.requests_on_loop = self.registry.on_loop
         self.shipper = Shipper(
             settings=settings,
             transport_factory=self._transport,
             app_metrics=self.metrics,
             registry=self.registry,
             signal_sources=sources,
+            loop_blocks=self.loop_blocks,
         )
         self.processor = StagetraceSpanProcessor(
             registry=self.registry,

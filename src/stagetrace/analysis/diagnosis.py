@@ -9,7 +9,7 @@ from typing import Optional
 
 from stagetrace.analysis.breakdown import TraceAnalysis
 from stagetrace.analysis.model import StageLike
-from stagetrace.conventions import GPU_KINDS
+from stagetrace.conventions import EVENT_LOOP_WAIT, GPU_KINDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +35,8 @@ class DiagnosisThresholds:
     runqueue_min_ms: float = 5.0  # a few ms waiting for a CPU on a busy host is not actionable
     event_loop_stage_ms: float = 20.0
     event_loop_lag_ms: float = 50.0
+    event_loop_wait_ms: float = 20.0  # a request waiting this long for its loop while others' stages held it ...
+    event_loop_wait_share: float = 0.20  # ... and this share of the request
     queueing_ms: float = 10.0
     queueing_share: float = 0.20
     untracked_share: float = 0.50
@@ -52,6 +54,7 @@ class TraceSignals:
     gpu_utilization: float | None = None
     gil_pressure_ms: float | None = None
     loop_lag_ms: float | None = None
+    blocked_by: tuple[str, ...] = ()  # the stages that held the loop while the request waited ("<stage> <trace id>")
 
 
 Stages = Sequence[StageLike]
@@ -212,17 +215,42 @@ def cpu_oversubscribed(
 def event_loop_blocked(
     a: TraceAnalysis, stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds
 ) -> Diagnosis | None:
+    """The request held its loop (a long sync stage of its own), or waited for it while other requests'
+    sync stages held it (the ``event_loop.wait`` stage), whichever took longer; else a stall of the loop
+    measured within the request."""
     on_loop = [s for s in stages if s.on_event_loop and s.kind not in GPU_KINDS and s.wall_ms >= th.event_loop_stage_ms]
-    if on_loop:
-        s = max(on_loop, key=lambda s: s.wall_ms)
+    own = max(on_loop, key=lambda s: s.wall_ms) if on_loop else None
+    wait_ms = sum(s.wall_ms for s in stages if s.name == EVENT_LOOP_WAIT and s.kind == "wait")
+    waited = (
+        a.total_ms > 0
+        and wait_ms >= th.event_loop_wait_ms
+        and wait_ms >= th.event_loop_wait_share * a.total_ms
+        and (own is None or wait_ms > own.wall_ms)
+    )
+    if waited:
         return _make(
             "EVENT_LOOP_BLOCKED",
-            f"sync stage '{s.name}' ran {s.wall_ms:.1f} ms on the event-loop thread",
-            s.name,
+            f"the request waited {wait_ms:.1f} ms ({wait_ms / a.total_ms:.0%}) for the event loop while other "
+            f"requests' sync stages held it{_blockers(sig.blocked_by)}",
+            EVENT_LOOP_WAIT,
+        )
+    if own is not None:
+        return _make(
+            "EVENT_LOOP_BLOCKED",
+            f"sync stage '{own.name}' ran {own.wall_ms:.1f} ms on the event-loop thread",
+            own.name,
         )
     if sig.loop_lag_ms is not None and sig.loop_lag_ms >= th.event_loop_lag_ms:
         return _make("EVENT_LOOP_BLOCKED", f"event-loop lag reached {sig.loop_lag_ms:.1f} ms during the request")
     return None
+
+
+def _blockers(blocked_by: tuple[str, ...]) -> str:
+    if not blocked_by:
+        return ""
+    name, _, trace_id = blocked_by[0].partition(" ")
+    more = f" and {len(blocked_by) - 1} more" if len(blocked_by) > 1 else ""
+    return f": '{name}' of trace {trace_id}{more}"
 
 
 def _queued_ms(s: StageLike) -> float:
@@ -238,7 +266,12 @@ def queueing(
 ) -> Diagnosis | None:
     # A wait measured while its pool had free capacity is dispatch latency (often GIL contention), not a
     # queue: only waits not known to be unsaturated count.
-    waits = [s for s in stages if s.kind == "wait" and s.queue_saturated is not False and _queued_ms(s) > 0]
+    # The event-loop wait is EVENT_LOOP_BLOCKED's: no worker pool to grow there.
+    waits = [
+        s
+        for s in stages
+        if s.kind == "wait" and s.queue_saturated is not False and s.name != EVENT_LOOP_WAIT and _queued_ms(s) > 0
+    ]
     wait_ms = sum(_queued_ms(s) for s in waits)
     if wait_ms < th.queueing_ms or a.total_ms <= 0 or wait_ms < th.queueing_share * a.total_ms:
         return None

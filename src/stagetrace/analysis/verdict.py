@@ -35,6 +35,8 @@ class Verdict:
     stage_kinds: Mapping[str, str] = field(default_factory=dict)
     gil_pressure_ms: float | None = None
     loop_lag_ms: float | None = None
+    blocked_by: tuple[str, ...] | None = None  # what held the loop while this request waited for it
+    delayed_requests: int | None = None  # other requests on its loop while its own sync stages held it
 
     @property
     def bottleneck_ms(self) -> float:
@@ -56,6 +58,7 @@ def build_verdict(
     route: str | None = None,
     signals: TraceSignals | None = None,
     sampled: bool = True,
+    delayed_requests: int | None = None,
 ) -> Verdict:
     return Verdict(
         trace_id=trace_id,
@@ -72,6 +75,8 @@ def build_verdict(
         gpu_utilization=signals.gpu_utilization if signals else None,
         gil_pressure_ms=signals.gil_pressure_ms if signals else None,
         loop_lag_ms=signals.loop_lag_ms if signals else None,
+        blocked_by=(signals.blocked_by or None) if signals else None,
+        delayed_requests=delayed_requests,
         sampled=sampled,
         stage_kinds=analysis.stage_kinds,
     )

@@ -55,6 +55,10 @@ class CaptureRuntime(Protocol):
 
     def lookup_trace(self, trace_id: int) -> TraceRecord | None: ...
 
+    loop_blocks: Any  # capture.loopblocks.LoopBlockBuffer: sync stages that held an event loop
+
+    def requests_on_loop(self, thread: int) -> int: ...
+
 
 class StageRecord(NonRecordingSpan):
     """One stage occurrence, and the stage's own non-recording span while it runs.
@@ -92,6 +96,7 @@ class StageRecord(NonRecordingSpan):
     perf_to_epoch_ns = 0  # set for stages outside a tracked trace
     implicit_root: Any = None  # the root this stage opened because it ran outside any trace
     on_event_loop = False
+    blocks_loop = False  # on the loop thread and not inside another stage that already holds it
     _span_context: SpanContext | None = None
     # Shipped fields (handoff.wire.STAGE_FIELDS) beyond times and ids, filled in by the integrations and
     # by the GPU timer on the helper thread.
@@ -176,6 +181,7 @@ class TraceRecord:
         "created_monotonic",
         "dropped_stages",
         "lock",
+        "loop_thread",
         "memberships",
         "others",
         "perf_to_epoch_ns",
@@ -195,8 +201,10 @@ class TraceRecord:
         root_start_epoch_ns: int,
         trace_flags: Any = None,
         trace_state: Any = None,
+        loop_thread: int = 0,
     ) -> None:
         self.trace_id = trace_id
+        self.loop_thread = loop_thread  # the thread of the event loop its root started on; 0: none
         self.trace_flags = trace_flags
         self.trace_state = trace_state
         self.root_span_id = root_span_id

@@ -24,6 +24,7 @@ class TraceRegistry:
         self.ttl_s = ttl_s
         self._on_drop = on_drop
         self._traces: dict[int, TraceRecord] = {}
+        self._on_loop: dict[int, int] = {}  # loop thread -> traces in flight whose root started on it
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -40,8 +41,9 @@ class TraceRegistry:
         root_start_epoch_ns: int,
         trace_flags: Any = None,
         trace_state: Any = None,
+        loop_thread: int = 0,
     ) -> TraceRecord | None:
-        rec = TraceRecord(trace_id, root_span_id, root_start_epoch_ns, trace_flags, trace_state)
+        rec = TraceRecord(trace_id, root_span_id, root_start_epoch_ns, trace_flags, trace_state, loop_thread)
         with self._lock:
             if len(self._traces) >= self.max_traces:
                 full = True
@@ -49,6 +51,8 @@ class TraceRegistry:
                 full = False
                 rec.shadowed = self._traces.get(trace_id)
                 self._traces[trace_id] = rec
+                if loop_thread:
+                    self._on_loop[loop_thread] = self._on_loop.get(loop_thread, 0) + 1
         if full:
             self._on_drop("traces_in_flight", 1)
             return None
@@ -71,7 +75,21 @@ class TraceRegistry:
             else:
                 prev.shadowed = rec.shadowed
             rec.shadowed = None
+            self._left_loop(rec)
             return rec
+
+    def _left_loop(self, rec: TraceRecord) -> None:
+        """Under the lock: one trace fewer in flight on its loop."""
+        if rec.loop_thread:
+            left = self._on_loop.get(rec.loop_thread, 0) - 1
+            if left > 0:
+                self._on_loop[rec.loop_thread] = left
+            else:
+                self._on_loop.pop(rec.loop_thread, None)
+
+    def on_loop(self, thread: int) -> int:
+        """Traces in flight whose root started on the event loop of ``thread`` (a lock-free read)."""
+        return self._on_loop.get(thread, 0)
 
     def evict_expired(self, now: float | None = None) -> list[TraceRecord]:
         """Drop roots that never ended (leaked spans, crashed handlers) after ``ttl_s``."""
@@ -83,6 +101,7 @@ class TraceRegistry:
                 rec: TraceRecord | None = self._traces.pop(tid)
                 while rec is not None:
                     evicted.append(rec)
+                    self._left_loop(rec)
                     rec = rec.shadowed
         if evicted:
             self._on_drop("trace_timeout", len(evicted))
@@ -91,3 +110,4 @@ class TraceRegistry:
     def clear(self) -> None:
         with self._lock:
             self._traces.clear()
+            self._on_loop.clear()

@@ -16,30 +16,39 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from stagetrace._safety import report_internal_error
 from stagetrace.capture.cpu import CpuSignals
 
 _perf_ns = time.perf_counter_ns
+T = TypeVar("T")
 
 
-class SampleBuffer:
-    """(epoch ns, value) pairs waiting to be shipped; bounded, the oldest dropped first when nobody drains."""
+class DrainQueue(Generic[T]):
+    """Items waiting for the helper thread; bounded, the oldest dropped first when nobody drains. Appends
+    and pops of a deque are atomic, so producers on any thread need no lock."""
 
-    def __init__(self, max_samples: int = 8192) -> None:
-        self._samples: deque[tuple[int, float]] = deque(maxlen=max_samples)
+    def __init__(self, max_items: int = 8192) -> None:
+        self._items: deque[T] = deque(maxlen=max_items)
 
-    def add(self, value: float) -> None:
-        self._samples.append((time.time_ns(), value))
+    def put(self, item: T) -> None:
+        self._items.append(item)
 
-    def drain(self) -> list[tuple[int, float]]:
-        out, pop = [], self._samples.popleft
+    def drain(self) -> list[T]:
+        out, pop = [], self._items.popleft
         try:
             while True:
                 out.append(pop())
         except IndexError:
             return out
+
+
+class SampleBuffer(DrainQueue[tuple[int, float]]):
+    """(epoch ns, value) pairs waiting to be shipped."""
+
+    def add(self, value: float) -> None:
+        self._items.append((time.time_ns(), value))
 
 
 class GilPressureSampler:

@@ -23,9 +23,15 @@ from stagetrace._compat import SPAN_KEY as _SPAN_KEY
 from stagetrace._compat import running_loop_or_none as _get_running_loop
 from stagetrace._compat import runtime_context_var, span_context_is_a_plain_tuple
 from stagetrace._safety import report_internal_error, warn_once
+from stagetrace.capture.loopblocks import note_loop_block
 from stagetrace.capture.records import StageRecord
-from stagetrace.conventions import STAGE_KINDS, UNTRACKED
-from stagetrace.settings import CPU_ACCOUNTING_MIN_MS, MAX_STAGE_NAME_LENGTH, MAX_TRACKED_STAGE_NAMES
+from stagetrace.conventions import RESERVED_STAGE_NAMES, STAGE_KINDS
+from stagetrace.settings import (
+    CPU_ACCOUNTING_MIN_MS,
+    LOOP_BLOCK_MIN_NS,
+    MAX_STAGE_NAME_LENGTH,
+    MAX_TRACKED_STAGE_NAMES,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -63,8 +69,8 @@ def validate_stage_name(name: object) -> str:
     cleaned = "".join(ch if ch.isprintable() else "?" for ch in name.strip())
     if not cleaned:
         raise ValueError("stage name must be a non-empty string")
-    if cleaned == UNTRACKED:
-        raise ValueError(f"{UNTRACKED!r} is reserved: it names the time in no stage in the verdict")
+    if cleaned in RESERVED_STAGE_NAMES:
+        raise ValueError(f"{cleaned!r} is reserved: stagetrace names its own part of the verdict so")
     if len(cleaned) > MAX_STAGE_NAME_LENGTH:
         warn_once(f"long-name:{cleaned[:32]}", "stagetrace: stage name cut to %d characters", MAX_STAGE_NAME_LENGTH)
         cleaned = cleaned[:MAX_STAGE_NAME_LENGTH]
@@ -163,6 +169,8 @@ def enter_stage(name: str, kind: str, owner: Any = None, *, sync: bool = True) -
         if sync:
             if _get_running_loop() is not None:
                 rec.on_event_loop = True
+                if parent is None or not parent.on_event_loop:
+                    rec.blocks_loop = True
             signals = rt.cpu_signals
             if signals is not None:
                 # Every sync stage gets the thread's CPU clock (0.3 us), so a stage that turns out long has
@@ -190,6 +198,8 @@ def exit_stage(rec: StageRecord | None, exc: BaseException | None, end_ns: int |
     try:
         rec.end_ns = end
         rt = rec.runtime
+        if rec.blocks_loop and end - rec.start_ns >= LOOP_BLOCK_MIN_NS:
+            note_loop_block(rt, rec, end)
         try:
             _cv_reset(rec.token)
         except ValueError:  # token made in another context (P10): the API's detach logs it

@@ -19,12 +19,20 @@ from opentelemetry.trace import StatusCode, format_trace_id
 from stagetrace import conventions as c
 from stagetrace._safety import RateLimitedLog, report_internal_error
 from stagetrace.analysis import TraceSignals, Verdict, analyse_trace, build_verdict, diagnose
+from stagetrace.analysis.loopwait import loop_waits
 from stagetrace.exporter import signals as sig
 from stagetrace.exporter import spans as sp
 from stagetrace.exporter.metrics import MetricsSink, replay
 from stagetrace.exporter.sampling import PendingBatches, RecentDecisions, decide, in_healthy_share
 from stagetrace.handoff import wire
-from stagetrace.settings import Settings
+from stagetrace.settings import LOOP_WAIT_MIN_NS, MAX_BLOCKED_BY, MAX_LOOP_WAIT_SPANS, Settings
+
+
+def _delayed_requests(stages: Sequence[Any]) -> int | None:
+    """The most other requests any of the trace's own stages held its event loop from (on the stages)."""
+    counts = [a.get(c.DELAYED_REQUESTS) for st in stages if (a := st.attributes)]
+    found = [n for n in counts if isinstance(n, int)]
+    return max(found) if found else None
 
 
 class MalformedRecord(ValueError):
@@ -51,6 +59,7 @@ class ExporterCore:
         self.outputs = outputs
         self.metrics = outputs.metrics
         self.series = {sig.GIL_SERIES: sig.LagSeries(), sig.LOOP_SERIES: sig.LagSeries()}
+        self.loop_blocks = sig.LoopBlockSeries()
         self.decisions = RecentDecisions()
         self.batches = PendingBatches(self.decisions, settings.batch_keep_wait_s, settings.max_pending_batches)
         self._new_span_id = random.Random().getrandbits  # ids for spans the exporter adds (link chunks)
@@ -62,6 +71,7 @@ class ExporterCore:
             wire.LONE_STAGE: self._lone_stage,
             wire.LONE_SPAN: self._lone_span,
             wire.SIGNAL: self._signal,
+            wire.LOOP_BLOCKS: self._loop_blocks,
             wire.METRIC: self._metric,
         }
 
@@ -104,11 +114,11 @@ class ExporterCore:
 
     # --- traces ---------------------------------------------------------------------------------------
     def _trace(self, msg: tuple[Any, ...]) -> None:
-        _, trace_id, flags, state, offset, dropped_stages, gpu_utilization, root, stages, others = msg
+        _, trace_id, flags, state, offset, dropped_stages, gpu_utilization, root, stages, others, loop_thread = msg
         root = wire.check_span(root)
         shipped = [wire.ShippedStage(s) for s in stages]
         others = [wire.check_span(s) for s in others]
-        if not isinstance(trace_id, int) or not isinstance(offset, int) or not isinstance(flags, int):
+        if not all(isinstance(v, int) for v in (trace_id, offset, flags, loop_thread)):
             raise MalformedRecord("malformed trace header")
         self.handled += 1
         try:
@@ -118,7 +128,7 @@ class ExporterCore:
                 self._batch_trace(trace_id, flags, state, offset, root, shipped, others)
             else:
                 self._analyse_and_export(
-                    trace_id, flags, state, offset, dropped_stages, gpu_utilization, root, shipped, others
+                    trace_id, flags, state, offset, dropped_stages, gpu_utilization, root, shipped, others, loop_thread
                 )
         except Exception:
             report_internal_error("exporter trace")
@@ -134,6 +144,7 @@ class ExporterCore:
         root: tuple[Any, ...],
         stages: list[wire.ShippedStage],
         others: list[tuple[Any, ...]],
+        loop_thread: int = 0,
     ) -> None:
         for st in stages:
             sig.resolve_cpu(st)
@@ -141,9 +152,13 @@ class ExporterCore:
         route = attrs.get(c.HTTP_ROUTE)
         route = route if isinstance(route, str) else None
         root_start, root_end = root[wire.SPAN_START], root[wire.SPAN_END]
+        blocked_by: tuple[str, ...] = ()
+        if loop_thread and len(self.loop_blocks):
+            waits, blocked_by = self._loop_waits(trace_id, loop_thread, root, offset, stages)
+            stages = stages + waits
         # The stages are in perf-counter time: the root moves to that clock for the analysis.
         analysis = analyse_trace(root_start - offset, root_end - offset, stages, self.settings.threshold_for(route))
-        signals = self._signals(root_start, root_end, gpu_utilization)
+        signals = self._signals(root_start, root_end, gpu_utilization, blocked_by)
         verdict = build_verdict(
             trace_id=format_trace_id(trace_id),
             root_name=root[wire.SPAN_NAME],
@@ -152,6 +167,7 @@ class ExporterCore:
             route=route,
             signals=signals,
             sampled=bool(flags & 1),
+            delayed_requests=_delayed_requests(stages),
         )
         errored = (
             root[wire.SPAN_STATUS] == _ERROR
@@ -215,7 +231,43 @@ class ExporterCore:
     def _new_span_id_nonzero(self) -> int:
         return self._new_span_id(64) or 1
 
-    def _signals(self, start_ns: int, end_ns: int, gpu_utilization: float | None) -> TraceSignals:
+    def _loop_waits(
+        self, trace_id: int, thread: int, root: tuple[Any, ...], offset: int, stages: list[wire.ShippedStage]
+    ) -> tuple[list[wire.ShippedStage], tuple[str, ...]]:
+        """The request's ``event_loop.wait`` stages (perf-counter time, children of the root), and the
+        stages that held its loop meanwhile, longest first: ``"<stage> <trace id>"``."""
+        window = (root[wire.SPAN_START] - offset, root[wire.SPAN_END] - offset)
+        blocks = self.loop_blocks.overlapping(thread, *window)
+        own = [(st.start_ns, st.end_ns) for st in stages]
+        waits = loop_waits(window, own, blocks, trace_id, min_ns=LOOP_WAIT_MIN_NS)
+        if len(waits) > MAX_LOOP_WAIT_SPANS:
+            self.metrics.dropped("loop_wait_spans", len(waits) - MAX_LOOP_WAIT_SPANS)
+            waits = sorted(waits, key=lambda w: w.start_ns - w.end_ns)[:MAX_LOOP_WAIT_SPANS]
+        held: dict[str, int] = {}
+        out = []
+        for w in waits:
+            names = []
+            for name, blocker, ns in w.blockers:
+                key = f"{name} {format_trace_id(blocker)}"
+                held[key] = held.get(key, 0) + ns
+                names.append(key)
+            out.append(
+                wire.stage_from_fields(
+                    name=c.EVENT_LOOP_WAIT,
+                    kind="wait",
+                    span_id=self._new_span_id_nonzero(),
+                    parent_span_id=root[wire.SPAN_ID],
+                    start_ns=w.start_ns,
+                    end_ns=w.end_ns,
+                    attributes={c.BLOCKED_BY: tuple(names[:MAX_BLOCKED_BY])},
+                )
+            )
+        ranked = sorted(held, key=lambda k: -held[k])
+        return out, tuple(ranked[:MAX_BLOCKED_BY])
+
+    def _signals(
+        self, start_ns: int, end_ns: int, gpu_utilization: float | None, blocked_by: tuple[str, ...] = ()
+    ) -> TraceSignals:
         s = self.settings
         gil = self.series[sig.GIL_SERIES]
         loop = self.series[sig.LOOP_SERIES]
@@ -225,6 +277,7 @@ class ExporterCore:
             if len(gil)
             else None,
             loop_lag_ms=sig.max_loop_lag_ms(loop, start_ns, end_ns) if len(loop) else None,
+            blocked_by=blocked_by,
         )
 
     # --- stages and spans outside a held trace --------------------------------------------------------
@@ -255,6 +308,12 @@ class ExporterCore:
         if series is None or not isinstance(flat, tuple):
             raise MalformedRecord(f"unknown signal series {name!r}")
         series.extend_flat(flat)
+
+    def _loop_blocks(self, msg: tuple[Any, ...]) -> None:
+        _, blocks = msg
+        if not isinstance(blocks, tuple):
+            raise MalformedRecord("loop blocks are a tuple")
+        self.loop_blocks.extend(blocks)
 
     def _metric(self, msg: tuple[Any, ...]) -> None:
         _, calls = msg

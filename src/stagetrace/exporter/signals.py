@@ -11,6 +11,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from stagetrace.analysis.loopwait import LoopBlock
 from stagetrace.settings import MIN_CPU_ACCOUNTED_NS
 
 GIL_SERIES = "gil"
@@ -124,3 +125,46 @@ def flatten(samples: Iterable[tuple[int, float]]) -> tuple[Any, ...]:
         out.append(t)
         out.append(v)
     return tuple(out)
+
+
+class LoopBlockSeries:
+    """Sync stages that held an event loop, per loop thread, in the order they ended, so that the blocks
+    overlapping a window are a bisect plus a short walk (blocks on one thread do not overlap). Bounded by
+    dropping the oldest half of a thread's blocks when it holds ``max_blocks``."""
+
+    def __init__(self, max_blocks: int = 8192) -> None:
+        self._max = max_blocks
+        self._ends: dict[int, list[int]] = {}
+        self._blocks: dict[int, list[LoopBlock]] = {}
+
+    def __len__(self) -> int:
+        return sum(map(len, self._ends.values()))
+
+    def extend(self, shipped: Sequence[Any]) -> None:
+        """``((start, end, thread, trace_id, name), ...)`` as shipped; malformed entries are skipped."""
+        for item in shipped:
+            if not isinstance(item, (tuple, list)) or len(item) != 5:
+                continue
+            start, end, thread, trace_id, name = item
+            if not all(isinstance(v, int) for v in (start, end, thread, trace_id)) or not isinstance(name, str):
+                continue
+            ends = self._ends.setdefault(thread, [])
+            blocks = self._blocks.setdefault(thread, [])
+            at = bisect.bisect_right(ends, end)
+            ends.insert(at, end)
+            blocks.insert(at, LoopBlock(start, end, thread, trace_id, name))
+            if len(ends) > self._max:
+                half = len(ends) - self._max // 2
+                del ends[:half], blocks[:half]
+
+    def overlapping(self, thread: int, start_ns: int, end_ns: int) -> list[LoopBlock]:
+        ends = self._ends.get(thread)
+        if not ends:
+            return []
+        blocks = self._blocks[thread]
+        out = []
+        for block in blocks[bisect.bisect_right(ends, start_ns) :]:
+            if block.start_ns >= end_ns:
+                break
+            out.append(block)
+        return out

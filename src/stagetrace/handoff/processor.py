@@ -9,11 +9,13 @@ Processors that live in the application (an attached user's chain, exporter obje
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
+from stagetrace._compat import running_loop_or_none
 from stagetrace._safety import report_internal_error
 
 
@@ -34,7 +36,11 @@ class StagetraceSpanProcessor(SpanProcessor):
         try:
             if is_local_root(span):
                 ctx = span.context
-                self.registry.open(ctx.trace_id, ctx.span_id, span.start_time, ctx.trace_flags, ctx.trace_state)
+                # A root opened on an event loop's thread: its request waits whenever that loop is held.
+                loop_thread = threading.get_ident() if running_loop_or_none() is not None else 0
+                self.registry.open(
+                    ctx.trace_id, ctx.span_id, span.start_time, ctx.trace_flags, ctx.trace_state, loop_thread
+                )
         except Exception:
             report_internal_error("span processor on_start")
         if self.local is not None:

@@ -41,6 +41,10 @@ class SampleSource(Protocol):
     def drain(self) -> list[tuple[int, float]]: ...
 
 
+class BlockSource(Protocol):
+    def drain(self) -> list[tuple[int, int, int, int, str]]: ...
+
+
 class GpuHooks(Protocol):
     """The helper thread's side of GPU support (``gpu.GpuSupport``): readiness of CUDA events (a query,
     never a wait), turning them into numbers, discarding those never read, and periodic work."""
@@ -91,12 +95,14 @@ class Shipper:
         app_metrics: MetricsRecorder,
         registry: Any,
         signal_sources: Mapping[str, SampleSource] = {},
+        loop_blocks: BlockSource | None = None,
     ) -> None:
         self.settings = settings
         self._transport_factory = transport_factory
         self.app_metrics = app_metrics
         self.registry = registry
         self.signal_sources = dict(signal_sources)
+        self.loop_blocks = loop_blocks
         self.gpu: GpuHooks | None = None
         self.on_thread_start: list[Callable[[], None]] = []  # samplers to (re)start with this thread
         self._seq = itertools.count(1)
@@ -219,14 +225,23 @@ class Shipper:
                 return
 
     def _cycle(self, *, final: bool = False) -> None:
+        # Take the submitted items first, then drain the signals: whatever a trace was judged against (a
+        # sample, a stage that held its loop) happened before its root ended, so it is in this drain and
+        # goes ahead of the trace in the same send.
+        items = self._items
+        taken = []
+        while items:
+            taken.append(items.popleft())
         messages: list[tuple[Any, ...]] = []
         for name, source in self.signal_sources.items():
             samples = source.drain()
             if samples:
                 messages.append((wire.SIGNAL, name, flatten(samples)))
-        items = self._items
-        while items:
-            item = items.popleft()
+        if self.loop_blocks is not None:
+            blocks = self.loop_blocks.drain()
+            if blocks:
+                messages.append((wire.LOOP_BLOCKS, tuple(blocks)))
+        for item in taken:
             if isinstance(item, _FlushMarker):
                 self._flushes.append(item)
             elif not self._gpu_ready(item):
@@ -358,6 +373,7 @@ class Shipper:
             packed_root,
             tuple(map(fanout.pack_member_stage if tickets else wire.pack_stage, stages)),
             tuple(map(wire.pack_span, others)),
+            trace.loop_thread,
         )
 
     def _ticket_unused(self) -> None:

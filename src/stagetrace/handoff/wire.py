@@ -25,10 +25,11 @@ from stagetrace.conventions import BATCH_INDEX, BATCH_ITEMS
 # application -> exporter
 CONFIG = "C"  # (CONFIG, config dict): the first message a new exporter receives
 TRACE = "T"  # (TRACE, trace_id, flags, trace_state, perf_to_epoch_ns, dropped_stages, gpu_utilization,
-#                      root span, (stage, ...), (other span, ...))
+#                      root span, (stage, ...), (other span, ...), loop thread or 0)
 LONE_STAGE = "S"  # (LONE_STAGE, trace_id, flags, trace_state, perf_to_epoch_ns, late, stage)
 LONE_SPAN = "P"  # (LONE_SPAN, span): a span of a trace whose local root stagetrace is not holding
 SIGNAL = "G"  # (SIGNAL, series name, (epoch_ns, value, epoch_ns, value, ...))
+LOOP_BLOCKS = "B"  # (LOOP_BLOCKS, ((start perf ns, end perf ns, loop thread, trace_id, stage name), ...))
 METRIC = "M"  # (METRIC, method, args): a metric event raised in the application (drops, NVML gauge)
 FLUSH = "F"  # (FLUSH, seq, timeout_s) -> answered with (FLUSH, seq, ok)
 # exporter -> application
@@ -105,6 +106,14 @@ class ShippedStage:
 
     def __repr__(self) -> str:
         return f"ShippedStage({self.name!r}, kind={self.kind!r})"
+
+
+def stage_from_fields(**fields: Any) -> ShippedStage:
+    """A stage the exporter adds itself (the event-loop wait), from the fields it has; the rest unset."""
+    values = dict.fromkeys(STAGE_FIELDS)
+    values.update(on_event_loop=False, parent_stage_id=0)
+    values.update(fields)
+    return ShippedStage(tuple(values[f] for f in STAGE_FIELDS))
 
 
 # --- spans --------------------------------------------------------------------------------------------

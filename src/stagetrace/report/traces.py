@@ -84,6 +84,9 @@ def _typed(value: Any, kind: type) -> Any:
         return _float(value)
     if kind is int:
         return value if isinstance(value, int) and not isinstance(value, bool) else None
+    if kind is tuple:  # an array of strings (OTLP JSON reads back as a list)
+        ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+        return tuple(value) if ok and value else None
     return value if isinstance(value, kind) else None
 
 

@@ -1,0 +1,92 @@
+"""The event-loop wait: the part of a request's time when its event loop was busy running other requests'
+synchronous stages and the request itself was in none of its own stages.
+
+A stage that runs synchronously on the loop thread holds the loop for its whole duration; every other
+request on that loop that was ready to run then had to wait. The request's own stages are its own time
+(a stage on a worker thread is work, not waiting), so what is left inside its window, under another
+request's blocking stage, is time it spent waiting for the loop. Pure interval arithmetic: no clocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class LoopBlock(NamedTuple):
+    """A synchronous stage that held an event loop (perf-counter ns of its process)."""
+
+    start_ns: int
+    end_ns: int
+    thread: int  # the loop's thread
+    trace_id: int
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class LoopWait:
+    """One stretch of a request waiting for its loop, and what held the loop meanwhile (longest first)."""
+
+    start_ns: int
+    end_ns: int
+    blockers: tuple[tuple[str, int, int], ...] = field(default=())  # (stage name, trace id, ns held)
+
+
+def _merge(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for s, e in sorted(iv for iv in intervals if iv[1] > iv[0]):
+        if merged and s <= merged[-1][1]:
+            if e > merged[-1][1]:
+                merged[-1] = (merged[-1][0], e)
+        else:
+            merged.append((s, e))
+    return merged
+
+
+def _subtract(intervals: list[tuple[int, int]], holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``intervals`` minus ``holes``, both merged and sorted."""
+    out: list[tuple[int, int]] = []
+    j = 0
+    for s, e in intervals:
+        while j < len(holes) and holes[j][1] <= s:
+            j += 1
+        k, cur = j, s
+        while k < len(holes) and holes[k][0] < e:
+            hs, he = holes[k]
+            if hs > cur:
+                out.append((cur, hs))
+            cur = max(cur, he)
+            k += 1
+        if cur < e:
+            out.append((cur, e))
+    return out
+
+
+def loop_waits(
+    window: tuple[int, int],
+    own_stages: Iterable[tuple[int, int]],
+    blocks: Sequence[LoopBlock],
+    trace_id: int,
+    *,
+    min_ns: int = 0,
+) -> list[LoopWait]:
+    """The stretches of ``window`` covered by other traces' blocking stages and by none of ``own_stages``.
+
+    Stretches shorter than ``min_ns`` are dropped (scheduling noise between two blockers); each stretch
+    names the blocks that overlap it, with how long each held the loop within it.
+    """
+    start, end = window
+    others = [b for b in blocks if b.trace_id != trace_id and b.end_ns > start and b.start_ns < end]
+    if not others:
+        return []
+    busy = _merge((max(b.start_ns, start), min(b.end_ns, end)) for b in others)
+    waiting = _subtract(busy, _merge(own_stages))
+    out = []
+    for s, e in waiting:
+        if e - s < min_ns:
+            continue
+        held = [(b.name, b.trace_id, min(e, b.end_ns) - max(s, b.start_ns)) for b in others]
+        blockers = tuple(sorted((h for h in held if h[2] > 0), key=lambda h: -h[2]))
+        out.append(LoopWait(s, e, blockers))
+    return out

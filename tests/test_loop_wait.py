@@ -1,0 +1,162 @@
+"""The event-loop wait: a request that was ready while other requests' sync stages held its loop gets an
+``event_loop.wait`` stage naming them (``stagetrace.blocked_by``), and each blocking stage says how many
+other requests were on its loop (``stagetrace.delayed_requests``). The arithmetic with controlled intervals,
+the capture on a real loop, and a real uvicorn under concurrent clients."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fastapi import FastAPI
+from opentelemetry.trace import format_trace_id
+
+import stagetrace
+from stagetrace import conventions as c
+from stagetrace.analysis.loopwait import LoopBlock, loop_waits
+from stagetrace.capture.loopblocks import LoopBlockBuffer
+from stagetrace.exporter.signals import LoopBlockSeries
+from test_scenarios import busy, run_scenario
+
+MS = 1_000_000
+T = 7  # the loop's thread
+
+
+def block(start_ms, end_ms, trace_id, name="decode"):
+    return LoopBlock(int(start_ms * MS), int(end_ms * MS), T, trace_id, name)
+
+
+def ms(waits):
+    return [(w.start_ns / MS, w.end_ns / MS) for w in waits]
+
+
+def test_the_wait_is_others_blocks_inside_the_window_minus_the_requests_own_stages():
+    blocks = [
+        block(0, 30, 2, "resize"),  # starts before the request: only 10-30 counts
+        block(30, 50, 1, "own"),  # the request's own block is its own time
+        block(50, 80, 3, "decode"),  # the request ran a worker-thread stage 60-70 meanwhile
+        block(90, 120, 4, "late"),  # runs past the request's end at 100
+    ]
+    waits = loop_waits((10 * MS, 100 * MS), [(60 * MS, 70 * MS)], blocks, trace_id=1)
+    assert ms(waits) == [(10, 30), (50, 60), (70, 80), (90, 100)]
+    assert [w.blockers for w in waits] == [
+        (("resize", 2, 20 * MS),),
+        (("decode", 3, 10 * MS),),
+        (("decode", 3, 10 * MS),),
+        (("late", 4, 10 * MS),),
+    ]
+
+
+def test_back_to_back_blockers_make_one_stretch_naming_both_longest_first():
+    waits = loop_waits((0, 100 * MS), [], [block(10, 20, 2, "a"), block(20, 50, 3, "b")], trace_id=1)
+    assert ms(waits) == [(10, 50)]
+    assert waits[0].blockers == (("b", 3, 30 * MS), ("a", 2, 10 * MS))
+
+
+def test_stretches_shorter_than_the_minimum_and_windows_without_blockers_give_nothing():
+    blocks = [block(10, 20, 2)]
+    assert loop_waits((0, 100 * MS), [(10 * MS, 19_950_000)], blocks, trace_id=1, min_ns=100_000) == []
+    assert loop_waits((30 * MS, 40 * MS), [], blocks, trace_id=1) == []
+    assert loop_waits((0, 100 * MS), [], [], trace_id=1) == []
+
+
+def test_the_exporters_block_series_answers_per_thread_in_end_order_and_skips_malformed_entries():
+    series = LoopBlockSeries(max_blocks=4)
+    series.extend(
+        [
+            (50 * MS, 60 * MS, T, 3, "c"),
+            (10 * MS, 20 * MS, T, 2, "a"),  # arrives late: still found in order
+            (10 * MS, 20 * MS, 99, 5, "other loop"),
+            ("x", 1, T, 1, "bad"),
+            (1, 2, 3),
+        ]
+    )
+    assert [b.name for b in series.overlapping(T, 0, 100 * MS)] == ["a", "c"]
+    assert [b.name for b in series.overlapping(T, 20 * MS, 55 * MS)] == ["c"]
+    assert series.overlapping(T, 60 * MS, 70 * MS) == [] and series.overlapping(42, 0, 100 * MS) == []
+    series.extend([(i * MS, i * MS + 1, T, 9, "n") for i in range(100, 104)])  # bounded: the oldest go
+    assert len(series) <= 5 and series.overlapping(T, 0, 30 * MS) == []
+
+
+def test_only_outermost_sync_stages_of_at_least_a_millisecond_on_the_loop_are_noted(harness):
+    rt = harness.handle.runtime
+    rt.loop_blocks = LoopBlockBuffer()  # one the helper thread does not drain, to read it here
+
+    async def request():
+        async with stagetrace.pipeline("request"):
+            with stagetrace.stage("outer"):
+                with stagetrace.stage("inner"):
+                    busy(3)
+            with stagetrace.stage("short"):
+                pass
+
+    asyncio.run(request())
+    blocks = rt.loop_blocks.drain()
+    assert [b[4] for b in blocks] == ["outer"]
+    start, end, thread, trace_id, _ = blocks[0]
+    assert end - start >= MS and thread != 0 and trace_id != 0
+
+
+def test_a_blocking_stage_counts_the_other_requests_in_flight_on_its_loop(harness):
+    async def request(name: str, gate: asyncio.Event, hold: bool) -> None:
+        async with stagetrace.pipeline(name):
+            if hold:
+                await gate.wait()
+                with stagetrace.stage("resize"):
+                    busy(2)
+            else:
+                gate.set()
+                await asyncio.sleep(0.02)
+
+    async def main() -> None:
+        gate = asyncio.Event()
+        await asyncio.gather(
+            request("victim-a", gate, False), request("victim-b", gate, False), request("x", gate, True)
+        )
+
+    asyncio.run(main())
+    harness.wait_verdicts(3)
+    (resize,) = harness.by_name("resize")
+    assert resize.attributes[c.DELAYED_REQUESTS] == 2
+    (x,) = harness.by_name("x")
+    assert x.attributes[c.DELAYED_REQUESTS] == 2
+    victim = next(v for v in harness.verdicts if v.root_name == "victim-a")
+    assert victim.blocked_by == (f"resize {format_trace_id(x.context.trace_id)}",)
+    (wait,) = [s for s in harness.by_name(c.EVENT_LOOP_WAIT) if s.context.trace_id == int(victim.trace_id, 16)]
+    assert wait.attributes[c.STAGE_KIND] == "wait" and wait.attributes[c.BLOCKED_BY] == victim.blocked_by
+    assert wait.end_time - wait.start_time == pytest.approx(resize.end_time - resize.start_time, rel=0.05)
+
+
+def test_event_loop_wait_is_a_reserved_stage_name():
+    with pytest.raises(ValueError, match="reserved"):
+        stagetrace.stage(c.EVENT_LOOP_WAIT)
+
+
+@pytest.mark.slow  # a real server: out of the quick loop and of the mutation run
+def test_requests_waiting_for_a_loop_held_by_others_name_what_held_it(harness):
+    app = FastAPI()
+
+    @app.get("/resize")
+    async def resize():
+        await asyncio.sleep(0.02)  # ready again after 20 ms, while other requests' resize holds the loop
+        with stagetrace.stage("resize"):  # sync CPU work on the loop thread
+            busy(40)
+        return {}
+
+    verdicts = run_scenario(harness, app, "/resize", n=12, concurrency=4)
+    by_trace = {v.trace_id: v for v in verdicts}
+    victims = [v for v in verdicts if c.EVENT_LOOP_WAIT in v.breakdown]
+    assert victims, "four clients at once: some request was ready while another's resize held the loop"
+    for v in victims:
+        assert v.blocked_by, v
+        for entry in v.blocked_by:
+            name, trace_id = entry.split(" ")
+            assert name == "resize" and trace_id != v.trace_id and trace_id in by_trace
+            assert (by_trace[trace_id].delayed_requests or 0) >= 1  # the blocker knows it delayed someone
+        assert v.breakdown[c.EVENT_LOOP_WAIT] <= v.total_ms
+        d = next((d for d in v.diagnoses if d.code == "EVENT_LOOP_BLOCKED"), None)
+        assert d is not None
+        if d.stage == c.EVENT_LOOP_WAIT:
+            assert "'resize' of trace " in d.message
+    slowest = max(victims, key=lambda v: v.breakdown[c.EVENT_LOOP_WAIT])
+    assert slowest.breakdown[c.EVENT_LOOP_WAIT] >= 20  # at least half a resize waited out
