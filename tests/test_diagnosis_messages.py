@@ -171,3 +171,32 @@ def test_an_event_loop_wait_fires_from_its_minimum_and_share():
 
     assert waited(20, 100) and not waited(19.9, 99.5)  # 20 ms, 20 %
     assert not waited(25, 200)  # 12.5 % of the request
+
+
+def test_the_loop_wait_message_names_a_single_blocker_whole_even_with_spaces_in_its_name():
+    waits = [cpu("event_loop.wait", 0, 30, kind="wait"), cpu("work", 30, 100)]
+    one = run(waits, signals=TraceSignals(blocked_by=("resize image " + "c" * 32,)))
+    assert one["EVENT_LOOP_BLOCKED"].message.endswith(f"held it: 'resize image' of trace {'c' * 32}")
+    unnamed = run(waits)  # blockers not known: the wait is still measured
+    assert unnamed["EVENT_LOOP_BLOCKED"].message.endswith("while other requests' sync stages held it")
+
+
+def test_a_wait_as_long_as_the_requests_own_blocking_stage_names_its_own_stage():
+    stages = [
+        cpu("event_loop.wait", 0, 30, kind="wait"),
+        cpu("resize", 30, 60, on_event_loop=True),
+        cpu("post", 60, 100),
+    ]
+    assert only(run(stages), "EVENT_LOOP_BLOCKED")[1] == "resize"
+
+
+def test_the_loop_wait_rule_on_zero_and_sub_millisecond_totals():
+    from stagetrace.analysis import TraceAnalysis, diagnose
+
+    def analysis(total_ms):
+        return TraceAnalysis(total_ms, {"event_loop.wait": 25.0}, "event_loop.wait", 1.0, False, 200.0, 0.0)
+
+    wait = [cpu("event_loop.wait", 0, 25, kind="wait")]
+    assert diagnose(analysis(0.0), wait) == ()
+    (d,) = diagnose(analysis(0.5), wait)  # a wait that overran a sub-millisecond root still counts
+    assert d.stage == "event_loop.wait"

@@ -26,7 +26,7 @@ def make_app() -> FastAPI:
     async def predict(item: int):
         decode(300_000)  # over 1 ms: CPU attributes are kept for stages of at least 1 ms
         async with stagetrace.stage("infer", kind="io"):
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(0.02)  # the longest part of the request, whatever a cold framework costs
         return {"item": item}
 
     @app.get("/sync")
@@ -61,6 +61,21 @@ def make_app() -> FastAPI:
     return app
 
 
+@pytest.fixture(params=["native", "contrib"])
+def telemetry(request):
+    """Both sources of the server span: FastAPI's own telemetry (the default where FastAPI has it) and the
+    contrib instrumentation. The contrib ``instrument_app`` also patches starlette's ``BackgroundTask``
+    for the whole process, with the tracer of the app it instrumented: undone after each test, or later
+    tests' background tasks would run inside a span of a provider already shut down."""
+    yield request.param
+    from starlette.background import BackgroundTask
+
+    original = getattr(BackgroundTask, "_otel_original_call", None)
+    if original is not None:
+        BackgroundTask.__call__ = original
+        del BackgroundTask._otel_original_call
+
+
 def call(app, *paths):
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
@@ -69,18 +84,26 @@ def call(app, *paths):
     return asyncio.run(go())
 
 
-def test_server_span_is_the_root_with_verdict_and_route_metrics(harness):
-    app = stagetrace.instrument_fastapi(make_app())
+def test_server_span_is_the_root_with_verdict_and_route_metrics(harness, telemetry):
+    app = stagetrace.instrument_fastapi(make_app(), telemetry=telemetry)
     (resp,) = call(app, "/predict/7")
     assert resp.status_code == 200
     spans = harness.spans()
     (root,) = [s for s in spans if s.parent is None]
     assert root.kind.name == "SERVER"
     assert root.attributes["http.route"] == "/predict/{item}"
-    assert root.attributes[c.STAGES] == ("decode", "infer")
-    assert root.attributes[c.BOTTLENECK_STAGE] in ("decode", "infer")
+    if telemetry == "native":  # FastAPI's own span, its dependency resolution and serialization as stages
+        assert root.instrumentation_scope.name == "fastapi"
+        assert root.attributes[c.STAGES] == ("fastapi.dependencies", "decode", "infer", "fastapi.serialization")
+        (ser,) = harness.by_name("fastapi.serialization")
+        assert ser.attributes[c.STAGE_KIND] == "cpu" and ser.instrumentation_scope.name == "fastapi"
+    else:
+        assert root.instrumentation_scope.name.startswith("opentelemetry.instrumentation")
+        assert root.attributes[c.STAGES] == ("decode", "infer")
+    assert root.attributes[c.BOTTLENECK_STAGE] == "infer"
     stages = {s.name: s for s in spans if c.STAGE in s.attributes}
-    assert all(s.parent.span_id == root.context.span_id for s in stages.values())
+    enclosing = {root.context.span_id} | {s.context.span_id for s in spans if s.name == "fastapi.endpoint"}
+    assert all(s.parent.span_id in enclosing for s in stages.values())
     assert stages["decode"].attributes[c.ON_EVENT_LOOP] is True  # a sync stage inside async def
     assert c.ON_EVENT_LOOP not in stages["infer"].attributes  # async with: not blocking the loop
     assert stages["decode"].attributes[c.CPU_MS] >= 0
@@ -89,11 +112,11 @@ def test_server_span_is_the_root_with_verdict_and_route_metrics(harness):
     assert not any(s.name.startswith("GET /predict/{item} http") for s in spans)  # send/receive excluded
 
 
-def test_sync_endpoint_records_the_threadpool_wait(harness, monkeypatch):
+def test_sync_endpoint_records_the_threadpool_wait(harness, telemetry, monkeypatch):
     # A warm pool can dispatch under the noise floor (then no stage is recorded, by design): with the floor
     # at zero the wait is always a stage, so the test asserts what happened, not what usually happens.
     monkeypatch.setattr("stagetrace.integrations.threads.MIN_WAIT_NS", 0)
-    app = stagetrace.instrument_fastapi(make_app())
+    app = stagetrace.instrument_fastapi(make_app(), telemetry=telemetry)
     call(app, "/sync")
     stages = {s.name: s for s in harness.spans() if c.STAGE in s.attributes}
     assert stages["threadpool.wait"].attributes[c.STAGE_KIND] == "wait"
@@ -101,8 +124,8 @@ def test_sync_endpoint_records_the_threadpool_wait(harness, monkeypatch):
     assert harness.verdicts[0].route == "/sync"
 
 
-def test_background_task_work_lands_in_the_request_trace(harness):
-    app = stagetrace.instrument_fastapi(make_app())
+def test_background_task_work_lands_in_the_request_trace(harness, telemetry):
+    app = stagetrace.instrument_fastapi(make_app(), telemetry=telemetry)
     call(app, "/bg")
     deadline = time.monotonic() + 5
     while not harness.by_name("send_email") and time.monotonic() < deadline:
@@ -111,10 +134,16 @@ def test_background_task_work_lands_in_the_request_trace(harness):
     root = next(s for s in harness.spans() if s.parent is None and s.kind.name == "SERVER")
     assert bg.context.trace_id == root.context.trace_id
     assert "send_email" not in harness.verdicts[0].breakdown  # after the response: not request latency
+    assert bg.attributes[c.LATE] is True
+    if telemetry == "native":  # FastAPI's span of the task is a late stage too, enclosing the user's
+        (task,) = harness.by_name("fastapi.background_task")
+        assert task.attributes[c.LATE] is True and task.attributes[c.STAGE_KIND] == "cpu"
+        assert bg.parent.span_id == task.context.span_id
+        assert "fastapi.background_task" not in harness.verdicts[0].breakdown
 
 
-def test_context_reaches_executor_and_thread_workers(harness):
-    app = stagetrace.instrument_fastapi(make_app())
+def test_context_reaches_executor_and_thread_workers(harness, telemetry):
+    app = stagetrace.instrument_fastapi(make_app(), telemetry=telemetry)
     call(app, "/executor")
     spans = harness.spans()
     root = next(s for s in spans if s.parent is None)
@@ -123,7 +152,7 @@ def test_context_reaches_executor_and_thread_workers(harness):
         assert span.context.trace_id == root.context.trace_id, name
     work = {"in_executor", "submitted", "to_thread"}
     assert work <= set(harness.verdicts[0].breakdown)
-    waits = set(harness.verdicts[0].breakdown) - work
+    waits = set(harness.verdicts[0].breakdown) - work - {"fastapi.dependencies", "fastapi.serialization"}
     assert waits <= {"executor.wait", "asyncio.wait", "threadpool.wait"}  # queue waits, low-cardinality names
 
 
@@ -145,13 +174,13 @@ def test_flask_server_span_carries_the_verdict(harness):
     assert harness.verdicts[0].route == "/hello"
 
 
-def test_missing_extra_gives_a_helpful_error(monkeypatch):
+def test_missing_extra_gives_a_helpful_error_where_the_contrib_path_is_needed(monkeypatch):
     monkeypatch.setitem(sys.modules, "opentelemetry.instrumentation.fastapi", None)
     with pytest.raises(RuntimeError, match=r"pip install 'stagetrace\[fastapi\]'"):
-        stagetrace.instrument_fastapi(FastAPI())
+        stagetrace.instrument_fastapi(FastAPI(), telemetry="contrib")
 
 
-def test_no_query_strings_headers_or_bodies_are_recorded_by_default(harness):
+def test_no_query_strings_headers_or_bodies_are_recorded_by_default(harness, telemetry):
     app = FastAPI()
 
     @app.post("/search")
@@ -160,7 +189,7 @@ def test_no_query_strings_headers_or_bodies_are_recorded_by_default(harness):
         with stagetrace.stage("lookup"):
             return {"ok": True}
 
-    stagetrace.instrument_fastapi(app)
+    stagetrace.instrument_fastapi(app, telemetry=telemetry)
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
@@ -177,10 +206,72 @@ def test_no_query_strings_headers_or_bodies_are_recorded_by_default(harness):
     assert "SECRET" not in dumped
 
 
-def test_query_strings_are_kept_when_opted_in(make_harness, monkeypatch):
+def test_query_strings_are_kept_when_opted_in(make_harness, monkeypatch, telemetry):
     monkeypatch.setenv("STAGETRACE_RECORD_QUERY_STRINGS", "true")
     h = make_harness()
-    app = stagetrace.instrument_fastapi(make_app())
+    app = stagetrace.instrument_fastapi(make_app(), telemetry=telemetry)
     call(app, "/predict/3?debug=1")
     root = next(s for s in h.spans() if s.parent is None)
     assert any("debug=1" in str(v) for v in root.attributes.values())
+
+
+def test_a_dependency_is_a_stage_whose_own_time_leaves_out_the_stages_inside_it(harness):
+    from fastapi import Depends
+
+    app = FastAPI()
+
+    def user():
+        with stagetrace.stage("auth"):
+            time.sleep(0.01)
+        return "u"
+
+    @app.get("/me")
+    async def me(who: str = Depends(user)):
+        return {"who": who}
+
+    call(stagetrace.instrument_fastapi(app), "/me")
+    (v,) = harness.wait_verdicts(1)
+    assert v.breakdown["auth"] >= 9
+    assert v.breakdown["fastapi.dependencies"] < v.breakdown["auth"]  # its own time only
+    (auth,) = harness.by_name("auth")
+    (deps,) = [s for s in harness.by_name("fastapi.dependencies") if s.context.span_id == auth.parent.span_id]
+    assert deps.attributes[c.STAGE_KIND] == "cpu"
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["no native telemetry", "already instrumented by contrib", "contrib options given"],
+)
+def test_auto_falls_back_to_the_contrib_instrumentation(harness, monkeypatch, why):
+    app = make_app()
+    kwargs = {}
+    if why == "no native telemetry":
+        monkeypatch.setattr("stagetrace.integrations.fastapi.fastapi_telemetry_config", lambda app: None)
+    elif why == "already instrumented by contrib":
+        from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+
+        FastAPIInstrumentor.instrument_app(app, tracer_provider=harness.handle.tracer_provider)
+    else:
+        kwargs = {"excluded_urls": "/health"}
+    try:
+        call(stagetrace.instrument_fastapi(app, **kwargs), "/predict/1")
+        (root,) = [s for s in harness.spans() if s.parent is None]
+        assert root.instrumentation_scope.name.startswith("opentelemetry.instrumentation")
+        assert len([s for s in harness.spans() if s.kind.name == "SERVER"]) == 1
+    finally:
+        from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+
+        FastAPIInstrumentor.uninstrument_app(app)
+
+
+def test_telemetry_choices_are_checked():
+    with pytest.raises(ValueError, match="telemetry must be one of auto, native, contrib"):
+        stagetrace.instrument_fastapi(FastAPI(), telemetry="otel")
+    with pytest.raises(TypeError, match="excluded_urls"):
+        stagetrace.instrument_fastapi(FastAPI(), telemetry="native", excluded_urls="/x")
+
+
+def test_native_is_refused_where_fastapi_has_no_telemetry_of_its_own(monkeypatch):
+    monkeypatch.setattr("stagetrace.integrations.fastapi.fastapi_telemetry_config", lambda app: None)
+    with pytest.raises(RuntimeError, match=r"needs FastAPI 0\.142 or later"):
+        stagetrace.instrument_fastapi(FastAPI(), telemetry="native")

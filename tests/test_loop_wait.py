@@ -6,9 +6,12 @@ the capture on a real loop, and a real uvicorn under concurrent clients."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from fastapi import FastAPI
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from opentelemetry.trace import format_trace_id
 
 import stagetrace
@@ -160,3 +163,77 @@ def test_requests_waiting_for_a_loop_held_by_others_name_what_held_it(harness):
             assert "'resize' of trace " in d.message
     slowest = max(victims, key=lambda v: v.breakdown[c.EVENT_LOOP_WAIT])
     assert slowest.breakdown[c.EVENT_LOOP_WAIT] >= 20  # at least half a resize waited out
+
+
+def test_a_request_running_on_a_worker_thread_meanwhile_is_not_waiting_for_the_loop(harness):
+    import concurrent.futures
+
+    from stagetrace.integrations.threads import propagate_context_to_threads, stop_propagating_context
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    propagate_context_to_threads()
+    try:
+
+        async def offloaded(started: asyncio.Event) -> None:
+            async with stagetrace.pipeline("offloaded"):
+                loop = asyncio.get_running_loop()
+                started.set()
+                await loop.run_in_executor(pool, time.sleep, 0.06)  # its own work, no stage of its own
+                await asyncio.sleep(0.03)  # then ready at once: held only by what still runs on the loop
+
+        async def blocker(started: asyncio.Event) -> None:
+            async with stagetrace.pipeline("blocker"):
+                await started.wait()
+                await asyncio.sleep(0.005)
+                with stagetrace.stage("resize"):  # 5..45 ms: inside the other request's worker run
+                    busy(40)
+
+        async def main() -> None:
+            started = asyncio.Event()
+            await asyncio.gather(offloaded(started), blocker(started))
+
+        asyncio.run(main())
+    finally:
+        stop_propagating_context()
+        pool.shutdown()
+    harness.wait_verdicts(2)
+    v = next(v for v in harness.verdicts if v.root_name == "offloaded")
+    assert c.EVENT_LOOP_WAIT not in v.breakdown, v.breakdown
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.tuples(st.integers(0, 40), st.integers(0, 40)).map(sorted),
+    st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)).map(sorted), max_size=5),
+    st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50), st.integers(1, 3)), max_size=5),
+)
+def test_the_wait_equals_a_point_by_point_count(window, own, raw_blocks):
+    """Against a brute force over 1-unit cells: the wait covers exactly the cells of the window under some
+    other trace's block and under none of the request's own intervals, and each stretch lists exactly the
+    blocks that overlap it, with their overlap."""
+    blocks = [LoopBlock(min(a, b), max(a, b), T, tid, f"s{i}") for i, (a, b, tid) in enumerate(raw_blocks)]
+    waits = loop_waits(tuple(window), [tuple(o) for o in own], blocks, trace_id=1)
+    expected = {
+        x
+        for x in range(window[0], window[1])
+        if any(b.trace_id != 1 and b.start_ns <= x < b.end_ns for b in blocks)
+        and not any(o[0] <= x < o[1] for o in own)
+    }
+    got = {x for w in waits for x in range(w.start_ns, w.end_ns)}
+    assert got == expected
+    for w in waits:
+        listed = {(name, tid, ns) for name, tid, ns in w.blockers}
+        overlapping = {
+            (b.name, b.trace_id, min(w.end_ns, b.end_ns) - max(w.start_ns, b.start_ns))
+            for b in blocks
+            if b.trace_id != 1 and min(w.end_ns, b.end_ns) > max(w.start_ns, b.start_ns)
+        }
+        assert listed == overlapping
+        assert [h[2] for h in w.blockers] == sorted((h[2] for h in w.blockers), reverse=True)
+
+
+def test_stretches_as_long_as_the_minimum_are_kept_wherever_they_come():
+    blocks = [block(0, 0.05, 2), block(10, 10.1, 3)]  # a 50 us stretch first, then one of exactly 100 us
+    waits = loop_waits((0, 100 * MS), [], blocks, trace_id=1, min_ns=100_000)
+    assert ms(waits) == [(10, 10.1)]
+    assert loop_waits((0, 100 * MS), [], [block(10, 10.1, 3)], trace_id=1)[0].blockers == (("decode", 3, 100_000),)

@@ -213,3 +213,70 @@ def test_a_batch_span_keeps_its_links_up_to_the_bound_and_chains_the_rest_on_chi
     assert more[F["name"]] == "GET /x members" and more[F["span_id"]] == 99 and more[F["parent_span_id"]] == 2
     assert more[F["parent_is_remote"]] is False and more[F["events"]] == ()
     assert more[F["attributes"]] == {c.BATCH_ID: "b"} and len(more[F["links"]]) == 1
+
+
+# --- other instrumentations' spans read as stages (exporter/foreign.py) ------------------------------------
+
+
+def foreign_span(name, span_id, parent, start_ms, end_ms, scope="fastapi", status=StatusCode.UNSET.value):
+    span = list(root_span({"code.function.name": "app.dep"}))
+    span[F["name"]], span[F["span_id"]], span[F["parent_span_id"]] = name, span_id, parent
+    span[F["start_ns"]], span[F["end_ns"]] = int(start_ms * MS), int(end_ms * MS)
+    span[F["scope_name"]], span[F["status_code"]], span[F["kind"]] = scope, status, SpanKind.INTERNAL.value
+    span[F["events"]] = ()
+    return tuple(span)
+
+
+def test_fastapis_operation_spans_are_read_as_stages_on_the_stages_clock():
+    from stagetrace.exporter.foreign import split_foreign_stages
+
+    deps = foreign_span("fastapi.dependencies", 0xD, 0x1, 10, 15)
+    failed = foreign_span("fastapi.serialization", 0xE, 0x1, 20, 22, status=StatusCode.ERROR.value)
+    endpoint = foreign_span("fastapi.endpoint", 0xF, 0x1, 15, 20)
+    lookalike = foreign_span("fastapi.dependencies", 0x10, 0x1, 0, 1, scope="someone.else")
+    stages, others = split_foreign_stages([deps, failed, endpoint, lookalike], offset=5 * MS)
+    assert others == [endpoint, lookalike]  # the envelope of the user's code, and another scope's span
+    (d, d_span), (s, s_span) = stages
+    assert (d.name, d.kind, d.span_id, d.parent_span_id) == ("fastapi.dependencies", "cpu", 0xD, 0x1)
+    assert (d.start_ns, d.end_ns, d.parent_stage_id, d.on_event_loop, d.error) == (5 * MS, 10 * MS, 0, False, None)
+    assert d_span is deps and s.error is not None and s_span is failed
+
+
+def test_stages_inside_a_span_read_as_a_stage_are_linked_to_it_through_other_spans():
+    from stagetrace.exporter.foreign import link_enclosing_stages
+
+    def stage(name, span_id, parent, parent_stage=0):
+        return wire.stage_from_fields(
+            name=name,
+            kind="cpu",
+            span_id=span_id,
+            parent_span_id=parent,
+            parent_stage_id=parent_stage,
+            start_ns=0,
+            end_ns=1,
+        )
+
+    deps = stage("fastapi.dependencies", 0xD, 0x1)
+    auth = stage("auth", 0xA, 0xC)  # under a client span, under the dependencies
+    outer = stage("decode", 0xB, 0x1)
+    client = foreign_span("http.client", 0xC, 0xD, 0, 1, scope="httpx")
+    looped = [foreign_span("a", 0x20, 0x21, 0, 1, scope="x"), foreign_span("b", 0x21, 0x20, 0, 1, scope="x")]
+    lost = stage("lost", 0xE, 0x20, parent_stage=0xB)
+    link_enclosing_stages([deps, auth, outer, lost], [client, *looped])
+    assert (auth.parent_stage_id, deps.parent_stage_id, outer.parent_stage_id) == (0xD, 0, 0)
+    assert lost.parent_stage_id == 0xB  # a cycle of foreign parents ends the walk; the recorded parent stays
+
+
+def test_a_span_read_as_a_stage_keeps_its_own_attributes_and_gains_the_stage_ones():
+    from stagetrace.exporter.foreign import as_stage_span
+
+    span = foreign_span("fastapi.background_task", 0xD, 0x1, 0, 3)
+    out = as_stage_span(span, "cpu", {c.LATE: True})
+    assert out[F["attributes"]] == {
+        "code.function.name": "app.dep",
+        c.STAGE: "fastapi.background_task",
+        c.STAGE_KIND: "cpu",
+        c.LATE: True,
+    }
+    assert out[F["scope_name"]] == "fastapi" and out[F["span_id"]] == 0xD
+    assert as_stage_span(span, "cpu")[F["attributes"]][c.STAGE_KIND] == "cpu"

@@ -62,7 +62,18 @@ def run_instrumented(tmp_path: Path, env_extra: dict[str, str]) -> subprocess.Co
     return out
 
 
-def test_with_a_users_distro_stagetrace_attaches_to_its_provider(tmp_path, otlp_receiver):
+@pytest.mark.parametrize(
+    ("extra", "stages"),
+    [
+        ({}, ("decode", "postprocess")),  # the contrib instrumentation's server span (FastAPI's own then off)
+        (
+            {"OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "fastapi"},  # FastAPI's own telemetry, operation spans as stages
+            ("fastapi.dependencies", "decode", "postprocess", "fastapi.serialization"),
+        ),
+    ],
+    ids=["contrib", "native"],
+)
+def test_with_a_users_distro_stagetrace_attaches_to_its_provider(tmp_path, otlp_receiver, extra, stages):
     run_instrumented(
         tmp_path,
         {
@@ -72,16 +83,18 @@ def test_with_a_users_distro_stagetrace_attaches_to_its_provider(tmp_path, otlp_
             "OTEL_EXPORTER_OTLP_INSECURE": "true",
             "OTEL_METRICS_EXPORTER": "none",
             "OTEL_LOGS_EXPORTER": "none",
+            **extra,
         },
     )
     sink = otlp_receiver.sink
     assert sink.wait_for(lambda s: sum(1 for x in s.spans if x.name == "GET /predict") >= 3)
     roots = [s for s in sink.spans if s.name == "GET /predict"]
-    assert all(r.attributes[c.STAGES] == ("decode", "postprocess") for r in roots)
+    assert all(r.attributes[c.STAGES] == stages for r in roots)
     assert all(r.attributes[c.BOTTLENECK_STAGE] == "decode" for r in roots)
     assert all(r.resource["service.name"] == "zero-code-distro" for r in roots)
     decodes = [s for s in sink.spans if s.name == "decode"]
-    assert {d.parent_span_id for d in decodes} == {r.span_id for r in roots}
+    enclosing = {r.span_id for r in roots} | {s.span_id for s in sink.spans if s.name == "fastapi.endpoint"}
+    assert {d.parent_span_id for d in decodes} <= enclosing and len(decodes) == 3
 
 
 @pytest.mark.slow

@@ -162,3 +162,22 @@ def executor_max_workers(pool: ThreadPoolExecutor) -> int | None:
 def executor_thread_name_prefix(pool: ThreadPoolExecutor) -> str:
     """The ``thread_name_prefix`` the pool was made with (``_thread_name_prefix``), or ''."""
     return str(getattr(pool, "_thread_name_prefix", "") or "")
+
+
+# --- FastAPI's own telemetry (0.142+) ----------------------------------------------------------------------
+
+
+def fastapi_telemetry_config(app: Any) -> dict[str, Any] | None:
+    """The telemetry settings an app's native telemetry reads on every request (``app._telemetry``, the
+    same dict as ``app._native_telemetry.config``): where ``FastAPI(telemetry=...)`` put them. None when the
+    installed FastAPI has no native telemetry or the layout differs."""
+    config = getattr(app, "_telemetry", None)
+    if not isinstance(config, dict) or "tracer_provider" not in config:
+        return None
+    native = getattr(app, "_native_telemetry", None)
+    return config if getattr(native, "config", None) is config else None
+
+
+def fastapi_contrib_instrumented(app: Any) -> bool:
+    """Has the contrib ``FastAPIInstrumentor`` instrumented this app (``_is_instrumented_by_opentelemetry``)?"""
+    return bool(getattr(app, "_is_instrumented_by_opentelemetry", False))

@@ -115,6 +115,16 @@ UNTRACKED = "untracked"
 EVENT_LOOP_WAIT = "event_loop.wait"
 RESERVED_STAGE_NAMES = frozenset({UNTRACKED, EVENT_LOOP_WAIT})
 
+# Spans of other instrumentations read as stages: (instrumentation scope, span name) -> stage kind. FastAPI's
+# own telemetry (0.142+) times dependency resolution, serialization and background tasks; its
+# `fastapi.endpoint` span is left a plain span: it envelops the user's own code and stages, and as a stage
+# it would turn every unexplained millisecond of the endpoint into "endpoint time".
+FOREIGN_STAGES: dict[tuple[str, str], str] = {
+    ("fastapi", "fastapi.dependencies"): "cpu",
+    ("fastapi", "fastapi.serialization"): "cpu",
+    ("fastapi", "fastapi.background_task"): "cpu",
+}
+
 # Stage kinds, in pipeline order.
 STAGE_KINDS = ("cpu", "io", "wait", "h2d", "gpu", "d2h")
 GPU_KINDS = frozenset({"h2d", "gpu", "d2h"})

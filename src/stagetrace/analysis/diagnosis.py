@@ -248,7 +248,7 @@ def event_loop_blocked(
 def _blockers(blocked_by: tuple[str, ...]) -> str:
     if not blocked_by:
         return ""
-    name, _, trace_id = blocked_by[0].partition(" ")
+    name, _, trace_id = blocked_by[0].rpartition(" ")  # a stage name may hold spaces, a trace id not
     more = f" and {len(blocked_by) - 1} more" if len(blocked_by) > 1 else ""
     return f": '{name}' of trace {trace_id}{more}"
 

@@ -8,10 +8,15 @@ only from ``LOOP_BLOCK_MIN_NS``: shorter ones delay nobody measurably.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
+from opentelemetry.trace import get_current_span
+
+from stagetrace import _state
 from stagetrace.capture.samplers import DrainQueue
 from stagetrace.conventions import DELAYED_REQUESTS
+from stagetrace.settings import MAX_WORKER_RUNS
 
 _get_ident = threading.get_ident
 
@@ -29,3 +34,23 @@ def note_loop_block(rt: Any, rec: Any, end_ns: int) -> None:
     if others > 0:
         rec.set_attribute(DELAYED_REQUESTS, others)
     rt.loop_blocks.put((rec.start_ns, end_ns, thread, rec.trace_id, rec.name))
+
+
+def note_worker_run(started_ns: int) -> None:
+    """On a worker thread, after a request's function ran there: the request was busy with its own work
+    from ``started_ns`` to now, not waiting for its loop (it may have no stage of its own there)."""
+    rt = _state.runtime
+    if rt is None:
+        return
+    trace = rt.lookup_trace(get_current_span().get_span_context().trace_id)
+    if trace is None:
+        return
+    end_ns = time.perf_counter_ns()
+    with trace.lock:
+        if trace.closed:
+            return
+        runs = trace.worker_runs
+        if runs is None:
+            trace.worker_runs = [started_ns, end_ns]
+        elif len(runs) < 2 * MAX_WORKER_RUNS:
+            runs += (started_ns, end_ns)

@@ -192,6 +192,7 @@ class TraceRecord:
         "trace_flags",
         "trace_id",
         "trace_state",
+        "worker_runs",
     )
 
     def __init__(
@@ -220,3 +221,4 @@ class TraceRecord:
         self.shadowed: TraceRecord | None = None  # an outer local root of the same trace id in this process
         self.batch: Any = None  # the Batch whose span is this trace's root (stagetrace.batch())
         self.memberships: list[Any] | None = None  # batches this trace's requests were served by
+        self.worker_runs: list[int] | None = None  # start, end, ...: its code ran on worker threads then

@@ -22,6 +22,7 @@ from stagetrace.analysis import TraceSignals, Verdict, analyse_trace, build_verd
 from stagetrace.analysis.loopwait import loop_waits
 from stagetrace.exporter import signals as sig
 from stagetrace.exporter import spans as sp
+from stagetrace.exporter.foreign import as_stage_span, foreign_kind, link_enclosing_stages, split_foreign_stages
 from stagetrace.exporter.metrics import MetricsSink, replay
 from stagetrace.exporter.sampling import PendingBatches, RecentDecisions, decide, in_healthy_share
 from stagetrace.handoff import wire
@@ -114,74 +115,74 @@ class ExporterCore:
 
     # --- traces ---------------------------------------------------------------------------------------
     def _trace(self, msg: tuple[Any, ...]) -> None:
-        _, trace_id, flags, state, offset, dropped_stages, gpu_utilization, root, stages, others, loop_thread = msg
-        root = wire.check_span(root)
-        shipped = [wire.ShippedStage(s) for s in stages]
-        others = [wire.check_span(s) for s in others]
-        if not all(isinstance(v, int) for v in (trace_id, offset, flags, loop_thread)):
-            raise MalformedRecord("malformed trace header")
+        try:
+            t = wire.unpack_trace(msg)
+        except ValueError as e:
+            raise MalformedRecord(str(e)) from e
         self.handled += 1
         try:
             if len(self.batches):
                 self._export(self.batches.expire(time.monotonic()))
-            if c.BATCH_ID in root[wire.SPAN_ATTRIBUTES]:
-                self._batch_trace(trace_id, flags, state, offset, root, shipped, others)
+            if c.BATCH_ID in t.root[wire.SPAN_ATTRIBUTES]:
+                self._batch_trace(t)
             else:
-                self._analyse_and_export(
-                    trace_id, flags, state, offset, dropped_stages, gpu_utilization, root, shipped, others, loop_thread
-                )
+                self._analyse_and_export(t)
         except Exception:
             report_internal_error("exporter trace")
 
-    def _analyse_and_export(
-        self,
-        trace_id: int,
-        flags: int,
-        state: str,
-        offset: int,
-        dropped_stages: int,
-        gpu_utilization: float | None,
-        root: tuple[Any, ...],
-        stages: list[wire.ShippedStage],
-        others: list[tuple[Any, ...]],
-        loop_thread: int = 0,
-    ) -> None:
+    def _analyse_and_export(self, t: wire.ShippedTrace) -> None:
+        trace_id, offset, root = t.trace_id, t.offset, t.root
+        stages = t.stages
         for st in stages:
             sig.resolve_cpu(st)
+        foreign, others = split_foreign_stages(t.others, offset)
+        if foreign:
+            link_enclosing_stages([*stages, *(st for st, _ in foreign)], [*others, *(span for _, span in foreign)])
+        analysed = stages + [st for st, _ in foreign]
         attrs = root[wire.SPAN_ATTRIBUTES]
         route = attrs.get(c.HTTP_ROUTE)
         route = route if isinstance(route, str) else None
         root_start, root_end = root[wire.SPAN_START], root[wire.SPAN_END]
         blocked_by: tuple[str, ...] = ()
-        if loop_thread and len(self.loop_blocks):
-            waits, blocked_by = self._loop_waits(trace_id, loop_thread, root, offset, stages)
+        if t.loop_thread and len(self.loop_blocks):
+            own = [(st.start_ns, st.end_ns) for st in analysed]
+            own += zip(t.worker_runs[::2], t.worker_runs[1::2])  # the request's code on worker threads
+            waits, blocked_by = self._loop_waits(trace_id, t.loop_thread, root, offset, own)
             stages = stages + waits
+            analysed = analysed + waits
         # The stages are in perf-counter time: the root moves to that clock for the analysis.
-        analysis = analyse_trace(root_start - offset, root_end - offset, stages, self.settings.threshold_for(route))
-        signals = self._signals(root_start, root_end, gpu_utilization, blocked_by)
+        analysis = analyse_trace(root_start - offset, root_end - offset, analysed, self.settings.threshold_for(route))
+        signals = self._signals(root_start, root_end, t.gpu_utilization, blocked_by)
         verdict = build_verdict(
             trace_id=format_trace_id(trace_id),
             root_name=root[wire.SPAN_NAME],
             analysis=analysis,
-            diagnoses=diagnose(analysis, stages, signals, self.settings.thresholds),
+            diagnoses=diagnose(analysis, analysed, signals, self.settings.thresholds),
             route=route,
             signals=signals,
-            sampled=bool(flags & 1),
-            delayed_requests=_delayed_requests(stages),
+            sampled=bool(t.flags & 1),
+            delayed_requests=_delayed_requests(analysed),
         )
         errored = (
             root[wire.SPAN_STATUS] == _ERROR
-            or any(st.error for st in stages)
+            or any(st.error for st in analysed)
             or any(o[wire.SPAN_STATUS] == _ERROR for o in others)
         )
         keep = decide(verdict, errored=errored, healthy_share=self.settings.healthy_sample, trace_id=trace_id)
         self.decisions.remember(trace_id, kept=keep.kept)
         self._export(self.batches.member_decided(trace_id, kept=keep.kept))
         self.metrics.record_trace(verdict, (trace_id, root[wire.SPAN_ID]) if keep.kept else None)
-        if dropped_stages:
-            self.metrics.dropped("stages_per_trace", dropped_stages)
+        if t.dropped_stages:
+            self.metrics.dropped("stages_per_trace", t.dropped_stages)
         if keep.kept:
-            out = [sp.stage_span(st, trace_id, offset, flags, state) for st in stages]
+            # Stages that started after the root ended (work after the response) are marked late.
+            late = {id(st) for st, charged in zip(analysed, analysis.charged_ms) if charged is None}
+            marks = {c.LATE: True}
+            out = [
+                sp.stage_span(st, trace_id, offset, t.flags, t.state, marks if id(st) in late else None)
+                for st in stages
+            ]
+            out.extend(as_stage_span(span, st.kind, marks if id(st) in late else None) for st, span in foreign)
             out.extend(others)
             out.append(sp.root_with_verdict(root, verdict, keep_query_strings=self.settings.record_query_strings))
             self.outputs.export(out)
@@ -190,19 +191,11 @@ class ExporterCore:
         if self.outputs.wants_verdicts:
             self.outputs.verdict(verdict)
 
-    def _batch_trace(
-        self,
-        trace_id: int,
-        flags: int,
-        state: str,
-        offset: int,
-        root: tuple[Any, ...],
-        stages: list[wire.ShippedStage],
-        others: list[tuple[Any, ...]],
-    ) -> None:
+    def _batch_trace(self, t: wire.ShippedTrace) -> None:
         """A batch's own trace: the batch span (linked to every member) and the stages run once. Its
         metrics are the batch's size and fill; the stages' time is charged in the members' traces, and
         it gets no verdict of its own. Exported when any member's trace is."""
+        trace_id, root = t.trace_id, t.root
         attrs = root[wire.SPAN_ATTRIBUTES]
         size = attrs.get(c.BATCH_SIZE)
         fill = attrs.get(c.BATCH_FILL)
@@ -211,15 +204,15 @@ class ExporterCore:
             size if isinstance(size, int) else 0,
             float(fill) if isinstance(fill, (int, float)) else None,
         )
-        if not flags & 1:
+        if not t.flags & 1:
             self.decisions.remember(trace_id, kept=False)
             return
-        for st in stages:
+        for st in t.stages:
             sig.resolve_cpu(st)
-        out = [sp.stage_span(st, trace_id, offset, flags, state) for st in stages]
-        out.extend(others)
+        out = [sp.stage_span(st, trace_id, t.offset, t.flags, t.state) for st in t.stages]
+        out.extend(t.others)
         out.extend(sp.batch_spans(root, self._new_span_id_nonzero))
-        errored = root[wire.SPAN_STATUS] == _ERROR or any(st.error for st in stages)
+        errored = root[wire.SPAN_STATUS] == _ERROR or any(st.error for st in t.stages)
         if errored:
             self.decisions.remember(trace_id, kept=True)
             self._export(out)
@@ -232,13 +225,13 @@ class ExporterCore:
         return self._new_span_id(64) or 1
 
     def _loop_waits(
-        self, trace_id: int, thread: int, root: tuple[Any, ...], offset: int, stages: list[wire.ShippedStage]
+        self, trace_id: int, thread: int, root: tuple[Any, ...], offset: int, own: list[tuple[int, int]]
     ) -> tuple[list[wire.ShippedStage], tuple[str, ...]]:
         """The request's ``event_loop.wait`` stages (perf-counter time, children of the root), and the
-        stages that held its loop meanwhile, longest first: ``"<stage> <trace id>"``."""
+        stages that held its loop meanwhile, longest first: ``"<stage> <trace id>"``. ``own``: the
+        intervals the request was busy itself (its stages, its runs on worker threads)."""
         window = (root[wire.SPAN_START] - offset, root[wire.SPAN_END] - offset)
         blocks = self.loop_blocks.overlapping(thread, *window)
-        own = [(st.start_ns, st.end_ns) for st in stages]
         waits = loop_waits(window, own, blocks, trace_id, min_ns=LOOP_WAIT_MIN_NS)
         if len(waits) > MAX_LOOP_WAIT_SPANS:
             self.metrics.dropped("loop_wait_spans", len(waits) - MAX_LOOP_WAIT_SPANS)
@@ -290,14 +283,25 @@ class ExporterCore:
             raise MalformedRecord("malformed stage header")
         self.handled += 1
         sig.resolve_cpu(st)
+        # Started after its trace's root ended here (the trace was decided): work after the response.
+        late = late or self.decisions.known(trace_id) is not None
         ms = st.gpu_ms if st.kind in c.GPU_KINDS and st.gpu_ms is not None else st.wall_ms
         self.metrics.record_stage(st.name, st.kind, ms, None)
         if flags & 1 and self.decisions.kept(trace_id):
             self.outputs.export([sp.stage_span(st, trace_id, offset, flags, state, {c.LATE: True} if late else None)])
 
     def _lone_span(self, msg: tuple[Any, ...]) -> None:
+        """A span of a trace whose local root stagetrace is not holding (it ended, or is elsewhere); one read
+        as a stage (FastAPI's background task, after the response) is a late stage: counted in the stage
+        metric, exported marked ``stagetrace.late``, in no verdict."""
         span = wire.check_span(msg[1])
         self.handled += 1
+        kind = foreign_kind(span)
+        if kind is not None:
+            self.metrics.record_stage(
+                span[wire.SPAN_NAME], kind, (span[wire.SPAN_END] - span[wire.SPAN_START]) / 1e6, None
+            )
+            span = as_stage_span(span, kind, {c.LATE: True})
         if self.decisions.kept(span[wire.SPAN_TRACE_ID]):
             self.outputs.export([span])
 

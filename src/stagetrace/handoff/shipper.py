@@ -348,6 +348,7 @@ class Shipper:
             stages = list(trace.stages)
             others = list(trace.others)
             tickets = list(trace.memberships) if trace.memberships else None
+            worker_runs = list(trace.worker_runs) if trace.worker_runs else ()
         offset = trace.perf_to_epoch_ns
         if tickets:
             stages += fanout.member_stages(tickets, (root.end_time or 0) - offset, self._ticket_unused)
@@ -374,6 +375,7 @@ class Shipper:
             tuple(map(fanout.pack_member_stage if tickets else wire.pack_stage, stages)),
             tuple(map(wire.pack_span, others)),
             trace.loop_thread,
+            tuple(worker_runs),
         )
 
     def _ticket_unused(self) -> None:

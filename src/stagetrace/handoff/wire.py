@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from operator import attrgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
@@ -25,7 +25,8 @@ from stagetrace.conventions import BATCH_INDEX, BATCH_ITEMS
 # application -> exporter
 CONFIG = "C"  # (CONFIG, config dict): the first message a new exporter receives
 TRACE = "T"  # (TRACE, trace_id, flags, trace_state, perf_to_epoch_ns, dropped_stages, gpu_utilization,
-#                      root span, (stage, ...), (other span, ...), loop thread or 0)
+#                      root span, (stage, ...), (other span, ...), loop thread or 0,
+#                      (worker run start, end, start, end, ...) in perf ns)
 LONE_STAGE = "S"  # (LONE_STAGE, trace_id, flags, trace_state, perf_to_epoch_ns, late, stage)
 LONE_SPAN = "P"  # (LONE_SPAN, span): a span of a trace whose local root stagetrace is not holding
 SIGNAL = "G"  # (SIGNAL, series name, (epoch_ns, value, epoch_ns, value, ...))
@@ -106,6 +107,46 @@ class ShippedStage:
 
     def __repr__(self) -> str:
         return f"ShippedStage({self.name!r}, kind={self.kind!r})"
+
+
+class ShippedTrace(NamedTuple):
+    """A TRACE message as the exporter reads it: the fields in their order on the channel, checked."""
+
+    trace_id: int
+    flags: int
+    state: str  # W3C trace state header
+    offset: int  # perf_to_epoch_ns of the trace
+    dropped_stages: int
+    gpu_utilization: float | None
+    root: tuple[Any, ...]
+    stages: list[ShippedStage]
+    others: list[tuple[Any, ...]]
+    loop_thread: int  # the event loop's thread its root started on, or 0
+    worker_runs: tuple[int, ...]  # start, end, ...: perf ns its code ran on worker threads
+
+
+def unpack_trace(msg: Sequence[Any]) -> ShippedTrace:
+    """A TRACE message's fields (without the kind), checked: ValueError for one of the wrong shape."""
+    if len(msg) != len(ShippedTrace._fields) + 1:
+        raise ValueError(f"a trace message has {len(ShippedTrace._fields) + 1} fields, got {len(msg)}")
+    _, trace_id, flags, state, offset, dropped, gpu_utilization, root, stages, others, loop_thread, runs = msg
+    if not all(isinstance(v, int) for v in (trace_id, offset, flags, loop_thread)):
+        raise ValueError("malformed trace header")
+    if not isinstance(runs, tuple) or not all(isinstance(v, int) for v in runs):
+        raise ValueError("malformed worker runs")
+    return ShippedTrace(
+        trace_id,
+        flags,
+        state,
+        offset,
+        dropped,
+        gpu_utilization,
+        check_span(root),
+        [ShippedStage(st) for st in stages],
+        [check_span(span) for span in others],
+        loop_thread,
+        runs,
+    )
 
 
 def stage_from_fields(**fields: Any) -> ShippedStage:

@@ -87,12 +87,16 @@ def _flushing_on_shutdown(receive: Any) -> Any:
     return wrapped
 
 
+_SCOPE_MARK = "stagetrace.entered"  # FastAPI.__call__ and Starlette.__call__ are both wrapped: act once
+
+
 def _make_app_call(original: Any) -> Any:
     @functools.wraps(original)
     async def __call__(self: Any, scope: Any, receive: Any, send: Any) -> Any:
         rt = _state.runtime
-        if rt is None:
+        if rt is None or scope.get(_SCOPE_MARK):
             return await original(self, scope, receive, send)
+        scope[_SCOPE_MARK] = True
         if scope.get("type") == "lifespan":
             return await original(self, scope, _flushing_on_shutdown(receive), send)
         rt.loop_monitor.ensure_running()
@@ -124,6 +128,15 @@ def asgi_patches() -> list[Patch]:
         import starlette.applications as apps
 
         patches.append(Patch(apps.Starlette, "__call__", _make_app_call))
+    except ImportError:
+        pass
+    try:
+        # FastAPI's own telemetry starts its server span in FastAPI.__call__, before Starlette's: the
+        # leaked-context check has to come first there.
+        import fastapi.applications as fastapi_apps
+
+        if "__call__" in vars(fastapi_apps.FastAPI):
+            patches.append(Patch(fastapi_apps.FastAPI, "__call__", _make_app_call))
     except ImportError:
         pass
     return patches

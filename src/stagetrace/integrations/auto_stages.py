@@ -9,7 +9,9 @@ Without decorating anything, these become stages:
 | a Hugging Face tokenizer call (``PreTrainedTokenizerBase.__call__``) | ``tokenize`` | cpu |
 | torch copies between host and device (``Tensor.to``) | ``h2d``, ``d2h`` | h2d, d2h |
 | the forward of the outermost ``nn.Module`` call | ``forward`` | gpu |
-| FastAPI's response serialisation (``serialize_response``) | ``serialize`` | cpu |
+| FastAPI's response serialisation (``serialize_response``) (*) | ``serialize`` | cpu |
+
+(*) unless FastAPI's own telemetry already times it as ``fastapi.serialization``, which is then the stage.
 
 Only libraries that are installed are patched; ``uninstrument()`` restores every original. Nested calls
 (a module inside a module, ``load`` inside ``resize``) become one stage, the outermost.
@@ -22,8 +24,11 @@ import functools
 import importlib.util
 from typing import Any
 
+from opentelemetry.trace import get_current_span
+
 from stagetrace.capture.gpu import GpuStage, timed_copy
 from stagetrace.capture.stage import Stage, enter_stage, exit_stage
+from stagetrace.conventions import FOREIGN_STAGES
 from stagetrace.integrations._common import Patch
 
 _inside: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("stagetrace_auto", default=frozenset())
@@ -56,11 +61,19 @@ def _stage_wrapper(name: str, kind: str = "cpu", when: Any = None) -> Any:
     return make
 
 
-def _async_stage_wrapper(name: str) -> Any:
-    def make(original: Any) -> Any:
-        return Stage(name, "cpu")(original)  # stage()'s own async wrapper
+def _serialize_response(original: Any) -> Any:
+    """``serialize`` unless FastAPI's own ``fastapi.serialization`` span (read as a stage) already times it."""
+    staged = Stage("serialize", "cpu")(original)
 
-    return make
+    @functools.wraps(original)
+    async def serialize_response(*args: Any, **kwargs: Any) -> Any:
+        span = get_current_span()
+        scope = getattr(getattr(span, "instrumentation_scope", None), "name", None)
+        if (scope, getattr(span, "name", None)) in FOREIGN_STAGES:
+            return await original(*args, **kwargs)
+        return await staged(*args, **kwargs)
+
+    return serialize_response
 
 
 def copy_kind(source_type: str, target: Any) -> str | None:
@@ -152,7 +165,7 @@ def _patches() -> list[Patch]:
     if _available("fastapi"):
         import fastapi.routing as routing
 
-        found.append(Patch(routing, "serialize_response", _async_stage_wrapper("serialize")))
+        found.append(Patch(routing, "serialize_response", _serialize_response))
     return found
 
 

@@ -21,6 +21,7 @@ from opentelemetry.trace import get_current_span
 
 from stagetrace import _state
 from stagetrace._compat import executor_max_workers, executor_saturated, executor_thread_name_prefix
+from stagetrace.capture.loopblocks import note_worker_run
 from stagetrace.capture.stage import add_stage
 from stagetrace.integrations._common import Occupancy, Patch
 from stagetrace.settings import MIN_WAIT_NS
@@ -78,7 +79,10 @@ def timed_wait(fn: Any, name: str, saturated: bool | None) -> Any:
         started = time.perf_counter_ns()
         if started - submitted >= MIN_WAIT_NS:
             add_stage(name, "wait", submitted, started, queue_saturated=saturated)
-        return fn(*a, **k)
+        try:
+            return fn(*a, **k)
+        finally:
+            note_worker_run(started)
 
     return timed
 
