@@ -216,9 +216,9 @@ BOUNDARIES = [
     (
         "GIL_CONTENTION",
         [cpu("t", 0, 50, blocked_ms=40)],
-        TraceSignals(gil_pressure_ms=1.99),
+        TraceSignals(gil_pressure_ms=1.49),
         [cpu("t", 0, 50, blocked_ms=40)],
-        TraceSignals(gil_pressure_ms=2.0),
+        TraceSignals(gil_pressure_ms=1.5),
     ),
     (
         "LOCK_OR_IO_WAIT",  # blocked at least 30 % of the stage and 5 ms

@@ -200,3 +200,11 @@ def test_the_loop_wait_rule_on_zero_and_sub_millisecond_totals():
     assert diagnose(analysis(0.0), wait) == ()
     (d,) = diagnose(analysis(0.5), wait)  # a wait that overran a sub-millisecond root still counts
     assert d.stage == "event_loop.wait"
+
+
+def test_between_a_free_and_a_contended_gil_the_blocked_stage_is_not_given_a_cause():
+    blocked = [cpu("t", 0, 50, cpu_ms=10, blocked_ms=40)]
+    for pressure in (1.0, 1.25, 1.49):
+        found = run(blocked, signals=TraceSignals(gil_pressure_ms=pressure))
+        assert "GIL_CONTENTION" not in found and "LOCK_OR_IO_WAIT" not in found, pressure
+    assert "LOCK_OR_IO_WAIT" in run(blocked, signals=TraceSignals(gil_pressure_ms=0.99))

@@ -6,6 +6,7 @@ the capture on a real loop, and a real uvicorn under concurrent clients."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import pytest
@@ -15,11 +16,12 @@ from hypothesis import strategies as st
 from opentelemetry.trace import format_trace_id
 
 import stagetrace
+from scenarios.corpus import busy
 from stagetrace import conventions as c
 from stagetrace.analysis.loopwait import LoopBlock, loop_waits
 from stagetrace.capture.loopblocks import LoopBlockBuffer
 from stagetrace.exporter.signals import LoopBlockSeries
-from test_scenarios import busy, run_scenario
+from test_scenarios import run_scenario
 
 MS = 1_000_000
 T = 7  # the loop's thread
@@ -221,6 +223,8 @@ def test_the_wait_equals_a_point_by_point_count(window, own, raw_blocks):
     }
     got = {x for w in waits for x in range(w.start_ns, w.end_ns)}
     assert got == expected
+    assert all(w.end_ns > w.start_ns for w in waits)  # no empty stretches
+    assert all(a.end_ns < b.start_ns for a, b in itertools.pairwise(waits))  # separate stretches, in order
     for w in waits:
         listed = {(name, tid, ns) for name, tid, ns in w.blockers}
         overlapping = {
@@ -237,3 +241,9 @@ def test_stretches_as_long_as_the_minimum_are_kept_wherever_they_come():
     waits = loop_waits((0, 100 * MS), [], blocks, trace_id=1, min_ns=100_000)
     assert ms(waits) == [(10, 10.1)]
     assert loop_waits((0, 100 * MS), [], [block(10, 10.1, 3)], trace_id=1)[0].blockers == (("decode", 3, 100_000),)
+
+
+def test_several_own_stages_inside_one_blocked_stretch_are_all_taken_out():
+    own = [(10 * MS, 12 * MS), (20 * MS, 22 * MS), (30 * MS, 32 * MS)]
+    waits = loop_waits((0, 100 * MS), own, [block(0, 50, 2)], trace_id=1)
+    assert ms(waits) == [(0, 10), (12, 20), (22, 30), (32, 50)]

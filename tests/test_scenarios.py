@@ -13,17 +13,9 @@ import pytest
 from fastapi import FastAPI
 
 import stagetrace
+from scenarios.corpus import busy
 from servers import hit, serve
 from stagetrace import conventions as c
-
-
-def busy(ms: float) -> int:
-    """Pure-Python CPU work holding the GIL for about ``ms``."""
-    end = time.perf_counter() + ms / 1000
-    n = 0
-    while time.perf_counter() < end:
-        n += 1
-    return n
 
 
 def settle_heap() -> None:

@@ -3,6 +3,8 @@ lag a request reports is the stall it lived through, not a neighbour's."""
 
 from __future__ import annotations
 
+import pytest
+
 from stagetrace.exporter.signals import LagSeries, flatten, max_loop_lag_ms
 
 MS = 1_000_000
@@ -42,3 +44,14 @@ def test_a_stall_after_the_request_is_not_its_lag_and_no_sample_means_not_measur
 def test_the_worst_stall_in_the_window_is_reported():
     s = series((1010, 5.0), (1100, 40.0), (1150, 1.0), (1300, 2.0))
     assert max_loop_lag_ms(s, 1000 * MS, 1200 * MS) == 40.0
+
+
+def test_gil_pressure_is_the_mean_within_the_requests_own_window_and_needs_three_wake_ups():
+    from stagetrace.exporter.signals import gil_pressure_ms
+
+    # a neighbour's contention (5 ms lags) before the request; the request 1000-1050 saw the GIL free
+    s = series(*[(900 + 10 * i, 5.0) for i in range(10)], (1010, 0.1), (1020, 0.2), (1030, 0.1), (1040, 0.2))
+    assert gil_pressure_ms(s, 1000 * MS, 1050 * MS, period_s=0.010) == 0.15
+    assert gil_pressure_ms(s, 1000 * MS, 1015 * MS, period_s=0.010) is None  # two wake-ups: not measured
+    # the wake-up one period after the end still reports on the window
+    assert gil_pressure_ms(s, 1005 * MS, 1030 * MS, period_s=0.010) == pytest.approx(0.15)

@@ -25,6 +25,7 @@ MIN_CPU_ACCOUNTED_NS = 1_000_000  # stages shorter than this get no CPU figures 
 LOOP_BLOCK_MIN_NS = 1_000_000  # a sync stage on the event loop shorter than this is not recorded as holding it
 LOOP_WAIT_MIN_NS = 100_000  # stretches of an event-loop wait shorter than this are scheduling noise
 MAX_LOOP_WAIT_SPANS = 32  # event_loop.wait spans per trace, the longest kept
+GIL_MIN_SAMPLES = 3  # GIL-pressure wake-ups a trace's window needs before the pressure counts as measured
 MAX_WORKER_RUNS = 256  # runs of a request's code on worker threads kept per trace (own time, not loop wait)
 MAX_BLOCKED_BY = 8  # blocking stages named in stagetrace.blocked_by
 MAX_LINKS_PER_SPAN = 128  # the SDK's default span link limit (OTEL_SPAN_LINK_COUNT_LIMIT), which backends share

@@ -30,7 +30,10 @@ class DiagnosisThresholds:
     pageable_min_bytes: int = 64 * 1024
     blocked_share: float = 0.30  # of a CPU stage's wall time
     blocked_min_ms: float = 5.0  # and at least this much: a few ms lost to other threads is normal
-    gil_pressure_ms: float = 2.0  # sampler wake-up lag (p50 over the request) meaning "GIL is contended"
+    # Sampler wake-up lag (mean over the request): from gil_pressure_ms the GIL was contended, below gil_free_ms
+    # it was free. In between the signal cannot tell a GIL wait from a lock wait, and neither rule fires.
+    gil_pressure_ms: float = 1.5
+    gil_free_ms: float = 1.0
     runqueue_share: float = 0.30
     runqueue_min_ms: float = 5.0  # a few ms waiting for a CPU on a busy host is not actionable
     event_loop_stage_ms: float = 20.0
@@ -182,9 +185,10 @@ def gil_contention(
 def lock_or_io_wait(
     a: TraceAnalysis, stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds
 ) -> Diagnosis | None:
-    # Needs a measured GIL pressure: without one, "blocked" cannot be told apart from GIL contention.
+    # Needs a GIL pressure measured low: without one, or with one in the band where GIL contention and a lock
+    # wait look alike, "blocked" is not called a lock wait.
     s = _blocked_stage(stages, th)
-    if s is None or sig.gil_pressure_ms is None or sig.gil_pressure_ms >= th.gil_pressure_ms:
+    if s is None or sig.gil_pressure_ms is None or sig.gil_pressure_ms >= th.gil_free_ms:
         return None
     return _make(
         "LOCK_OR_IO_WAIT",

@@ -15,6 +15,7 @@ from stagetrace.handoff import wire
 _SCOPE = wire.SPAN_INDEX["scope_name"]
 _PARENT = wire.SPAN_INDEX["parent_span_id"]
 _ERROR = StatusCode.ERROR.value
+_FAILED = ("error", "", "")  # the stage failed; its exception events stay on its own span, exported as it is
 
 
 def foreign_kind(span: Sequence[Any]) -> str | None:
@@ -40,7 +41,7 @@ def split_foreign_stages(
             parent_span_id=span[_PARENT],
             start_ns=span[wire.SPAN_START] - offset,  # onto the stages' perf-counter clock
             end_ns=span[wire.SPAN_END] - offset,
-            error=("error", "", "") if failed else None,
+            error=_FAILED if failed else None,
         )
         stages.append((stage, span))
     return stages, others
@@ -53,10 +54,10 @@ def link_enclosing_stages(stages: Sequence[Any], spans: Iterable[Sequence[Any]])
     stage_ids = {st.span_id for st in stages}
     for st in stages:
         p = st.parent_span_id
-        seen = 0
-        while p and p not in stage_ids and p in parent_of and seen < 64:
+        walked: set[int] = set()  # a malformed trace may hold a cycle of parents
+        while p and p not in stage_ids and p in parent_of and p not in walked:
+            walked.add(p)
             p = parent_of[p]
-            seen += 1
         if p in stage_ids and p != st.span_id:
             st.parent_stage_id = p
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from stagetrace.analysis.loopwait import LoopBlock
-from stagetrace.settings import MIN_CPU_ACCOUNTED_NS
+from stagetrace.settings import GIL_MIN_SAMPLES, MIN_CPU_ACCOUNTED_NS
 
 GIL_SERIES = "gil"
 LOOP_SERIES = "loop"
@@ -87,15 +87,18 @@ class LagSeries:
 
 
 def gil_pressure_ms(
-    series: LagSeries, start_ns: int, end_ns: int, period_s: float, min_window_s: float = 0.5
+    series: LagSeries, start_ns: int, end_ns: int, period_s: float, min_samples: int = GIL_MIN_SAMPLES
 ) -> float | None:
-    """Mean sampler wake-up lag over the trace, or over the last ``min_window_s`` before its end if the
-    trace is shorter. A woken sampler either gets the GIL at once or waits out a whole switch interval, so
-    single wake-ups say little; GIL pressure changes slowly, and a mean over ~100 wake-ups is steady."""
-    start_ns = min(start_ns, end_ns - int(min_window_s * 1e9))
-    slack = int(period_s * 2e9)
-    lags = series.window(start_ns - slack, end_ns + slack)
-    return round(statistics.fmean(lags), 3) if lags else None
+    """Mean sampler wake-up lag within the trace's own window, or None (not measured) with fewer than
+    ``min_samples`` wake-ups in it.
+
+    A woken sampler either gets the GIL at once (~0.1 ms) or waits out a holder's switch interval (5 ms), so
+    a few wake-ups already tell contention from a free GIL; one or two do not, and then the verdict does not
+    guess between GIL contention and a lock wait. Only the request's own window counts: a look-back before
+    it read a neighbour's load (a server's start-up, another request's burst) as this request's contention.
+    """
+    lags = series.window(start_ns, end_ns + int(period_s * 1e9))
+    return round(statistics.fmean(lags), 3) if len(lags) >= min_samples else None
 
 
 def max_loop_lag_ms(series: LagSeries, start_ns: int, end_ns: int) -> float | None:

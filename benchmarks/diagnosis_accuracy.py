@@ -1,0 +1,108 @@
+"""How often each diagnosis rule names the right cause, and how often a wrong one fires.
+
+    python benchmarks/diagnosis_accuracy.py [--runs 20] [--only NAME ...]
+
+Runs every scenario of the corpus in ``tests/scenarios/`` (one app per rule whose requests live its cause,
+and a healthy twin of the same shape without it) ``--runs`` times against a real uvicorn on 127.0.0.1, with
+clients in another process, and prints per scenario: the requests that lived the cause, the share of them
+on which the rule fired ("right"), and the share of all requests on which a code fired that the scenario
+does not call for ("wrong", with the codes). Target: right 100 %, wrong 0 %. Scenarios that need a CUDA
+device and NVML are reported as skipped without one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import stagetrace
+from scenarios import SCENARIOS, Outcome, Scenario, run_once
+from stagetrace.analysis import Verdict
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+class Collector:
+    """A configured stagetrace whose verdicts are kept for the run in progress."""
+
+    def __init__(self) -> None:
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        self.verdicts: list[Verdict] = []
+        self.handle = stagetrace.configure(
+            "diagnosis-accuracy",
+            span_exporter=InMemorySpanExporter(),
+            set_global=False,
+            on_verdict=self.verdicts.append,
+        )
+
+    def wait(self, n: int, timeout_s: float = 30.0) -> list[Verdict]:
+        deadline = time.monotonic() + timeout_s
+        while len(self.verdicts) < n and time.monotonic() < deadline:
+            self.handle.force_flush(1)
+            time.sleep(0.01)
+        return list(self.verdicts)
+
+
+def run_scenario(scenario: Scenario, runs: int) -> list[Outcome]:
+    outcomes = []
+    for _ in range(runs):
+        collector = Collector()
+        try:
+            outcomes.append(run_once(scenario, collector.wait))
+        finally:
+            collector.handle.shutdown()
+    return outcomes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--only", nargs="*", default=None, help="scenario names")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("STAGETRACE_HEALTHY_SAMPLE", "1.0")
+    gpu = cuda_available()
+    print(
+        f"diagnosis accuracy: {args.runs} runs of each scenario against uvicorn on 127.0.0.1, "
+        f"{os.cpu_count()} CPUs, {'a' if gpu else 'no'} CUDA device"
+    )
+    print(f"{'scenario':28} {'rule':20} {'requests':>8} {'lived':>6} {'right':>7} {'wrong':>7}  wrong codes")
+    all_ok = True
+    for scenario in SCENARIOS:
+        if args.only and scenario.name not in args.only:
+            continue
+        rule = scenario.rule or "(healthy twin)"
+        if scenario.needs_gpu and not gpu:
+            print(f"{scenario.name:28} {rule:20} {'skipped: needs a CUDA device and NVML':>40}")
+            continue
+        outcomes = run_scenario(scenario, args.runs)
+        requests = sum(o.verdicts for o in outcomes)
+        lived = sum(o.lived for o in outcomes)
+        right = sum(o.right for o in outcomes)
+        wrong = sum(o.wrong for o in outcomes)
+        codes = Counter(code for o in outcomes for code in o.wrong_codes)
+        right_text = f"{right / lived:7.1%}" if lived else "      -"
+        print(
+            f"{scenario.name:28} {rule:20} {requests:8d} {lived:6d} {right_text} {wrong / requests:7.1%}  "
+            + ", ".join(f"{code} ({n} runs)" for code, n in codes.most_common())
+        )
+        all_ok = all_ok and wrong == 0 and (right == lived)
+    print("target: right 100 %, wrong 0 %:", "met" if all_ok else "NOT met")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

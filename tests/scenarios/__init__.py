@@ -1,0 +1,13 @@
+"""A corpus of scenario apps, one per diagnosis rule, each with a healthy twin that must fire nothing.
+
+Used by the test suite (``tests/test_accuracy_corpus.py`` runs each scenario once) and by
+``benchmarks/diagnosis_accuracy.py`` (each scenario many times, counting how often the right code fired on
+the requests that lived its cause, and how often a wrong code fired at all).
+"""
+
+from __future__ import annotations
+
+from scenarios.corpus import SCENARIOS, Scenario, Workload
+from scenarios.run import Outcome, run_once
+
+__all__ = ["SCENARIOS", "Outcome", "Scenario", "Workload", "run_once"]

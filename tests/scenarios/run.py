@@ -1,0 +1,56 @@
+"""One run of a scenario against a real uvicorn on 127.0.0.1, with clients in another process, and what its
+verdicts say measured against what the scenario's requests lived."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import stagetrace
+from scenarios.corpus import Scenario
+from servers import hit, serve
+from stagetrace.analysis import Verdict
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Per request: did it live the cause, did the rule fire, did a code fire that should not have."""
+
+    verdicts: int
+    lived: int  # requests that lived the scenario's cause
+    right: int  # of those, how many carry the scenario's rule
+    wrong: int  # requests carrying a code other than the rule and the scenario's allowed ones
+    wrong_codes: tuple[str, ...]
+    twin_fired: int  # on a healthy twin: requests carrying the rule whose cause it removed
+
+
+def judge(scenario: Scenario, verdicts: Sequence[Verdict]) -> Outcome:
+    expected = {scenario.rule} if scenario.rule else set()
+    ok = expected | scenario.allowed
+    lived = [v for v in verdicts if scenario.rule and scenario.lived(v)]
+    wrong = [v for v in verdicts if set(v.diagnosis_codes) - ok]
+    return Outcome(
+        verdicts=len(verdicts),
+        lived=len(lived),
+        right=sum(1 for v in lived if scenario.rule in v.diagnosis_codes),
+        wrong=len(wrong),
+        wrong_codes=tuple(sorted({code for v in wrong for code in v.diagnosis_codes} - ok)),
+        twin_fired=sum(1 for v in verdicts if scenario.twin_of in v.diagnosis_codes),
+    )
+
+
+def run_once(scenario: Scenario, verdicts: Callable[[int], list[Verdict]]) -> Outcome:
+    """``verdicts(n)``: waits for and returns the configured stagetrace's first ``n`` verdicts of this run
+    (the caller configured it; the test suite's harness, or the benchmark's own)."""
+    gc.collect()  # a full collection during a run is a real stall: start each from a collected heap
+    workload = scenario.build()
+    stagetrace.instrument_fastapi(workload.app)
+    with workload.running(), serve(workload.app) as base:
+        statuses = hit(base, workload.path, scenario.requests, scenario.concurrency)
+    if statuses != [200] * scenario.requests:
+        raise RuntimeError(f"{scenario.name}: statuses {statuses}")
+    got = [v for v in verdicts(scenario.requests) if v.route == workload.path]
+    if len(got) != scenario.requests:
+        raise RuntimeError(f"{scenario.name}: {len(got)} verdicts for {scenario.requests} requests")
+    return judge(scenario, got)
