@@ -61,6 +61,7 @@ def test_batch_wait_sums_formation_and_names_the_longest():
         "the request waited 50.0 ms (50%) in 'q1' for its batch to form (it ran with 8 of 16 items)",
         "q1",
     )
+    assert only(run([stages[1], stages[0], stages[2]]), "BATCH_WAIT")[1] == "q1"  # wherever it is listed
     unsized = [cpu("q", 0, 60, kind="wait", batch=BatchInfo("b", 1, 3, 0, 1, 0, formation_ms=60.0, busy_ms=0.0))]
     assert only(run(unsized), "BATCH_WAIT")[0].endswith("(it ran with 3 items)")
 

@@ -131,16 +131,6 @@ def test_queueing_names_the_wait_with_the_most_time_not_the_last_name():
     assert run(stages)["QUEUEING"].stage == "a.wait"
 
 
-def test_batch_wait_names_the_longest_formation_wherever_it_is_listed():
-    common = ("b1", 3, 8, 0, 1, 16)
-    stages = [
-        cpu("q1", 0, 5, kind="wait", batch=BatchInfo(*common, formation_ms=5.0, busy_ms=0.0)),
-        cpu("q2", 5, 50, kind="wait", batch=BatchInfo(*common, formation_ms=45.0, busy_ms=0.0)),
-        cpu("w", 50, 100),
-    ]
-    assert run(stages)["BATCH_WAIT"].stage == "q2"
-
-
 def underfilled_trace(*, head_ms: float, gpu_ms: float, fill_items: int = 2, queued: float = 20.0, heads=None):
     wait = cpu("q", 0, 25, kind="wait", batch=BatchInfo("b", 2, fill_items, 0, 1, 16, formation_ms=5.0, busy_ms=queued))
     head = cpu("infer", 25, 25 + head_ms, batch=BatchInfo("b", 2, fill_items, 0, 1, 16, 1, 2))
