@@ -143,7 +143,7 @@ def test_batch_underfilled_message():
 
 def test_event_loop_blocked_on_a_request_that_waited_names_what_held_its_loop():
     waits = [cpu("event_loop.wait", 0, 10, kind="wait"), cpu("event_loop.wait", 40, 60, kind="wait")]
-    held = TraceSignals(blocked_by=("resize " + "a" * 32, "decode " + "b" * 32))
+    held = TraceSignals(blocked_by=("resize@" + "a" * 32, "decode@" + "b" * 32))
     found = run([*waits, cpu("work", 60, 100)], signals=held)
     assert only(found, "EVENT_LOOP_BLOCKED") == (
         "the request waited 30.0 ms (30%) for the event loop while other requests' sync stages held it: "
@@ -176,7 +176,7 @@ def test_an_event_loop_wait_fires_from_its_minimum_and_share():
 
 def test_the_loop_wait_message_names_a_single_blocker_whole_even_with_spaces_in_its_name():
     waits = [cpu("event_loop.wait", 0, 30, kind="wait"), cpu("work", 30, 100)]
-    one = run(waits, signals=TraceSignals(blocked_by=("resize image " + "c" * 32,)))
+    one = run(waits, signals=TraceSignals(blocked_by=("resize image@" + "c" * 32,)))
     assert one["EVENT_LOOP_BLOCKED"].message.endswith(f"held it: 'resize image' of trace {'c' * 32}")
     unnamed = run(waits)  # blockers not known: the wait is still measured
     assert unnamed["EVENT_LOOP_BLOCKED"].message.endswith("while other requests' sync stages held it")

@@ -126,7 +126,7 @@ def test_a_blocking_stage_counts_the_other_requests_in_flight_on_its_loop(harnes
     (x,) = harness.by_name("x")
     assert x.attributes[c.DELAYED_REQUESTS] == 2
     victim = next(v for v in harness.verdicts if v.root_name == "victim-a")
-    assert victim.blocked_by == (f"resize {format_trace_id(x.context.trace_id)}",)
+    assert victim.blocked_by == (f"resize@{format_trace_id(x.context.trace_id)}",)
     (wait,) = [s for s in harness.by_name(c.EVENT_LOOP_WAIT) if s.context.trace_id == int(victim.trace_id, 16)]
     assert wait.attributes[c.STAGE_KIND] == "wait" and wait.attributes[c.BLOCKED_BY] == victim.blocked_by
     assert wait.end_time - wait.start_time == pytest.approx(resize.end_time - resize.start_time, rel=0.05)
@@ -155,7 +155,7 @@ def test_requests_waiting_for_a_loop_held_by_others_name_what_held_it(harness):
     for v in victims:
         assert v.blocked_by, v
         for entry in v.blocked_by:
-            name, trace_id = entry.split(" ")
+            name, trace_id = entry.split("@")
             assert name == "resize" and trace_id != v.trace_id and trace_id in by_trace
             assert (by_trace[trace_id].delayed_requests or 0) >= 1  # the blocker knows it delayed someone
         assert v.breakdown[c.EVENT_LOOP_WAIT] <= v.total_ms

@@ -225,8 +225,8 @@ def test_batch_underfilled_names_the_gpu_share_when_utilisation_was_measured_but
 
 def test_the_verdict_carries_what_held_the_loop_and_whom_it_delayed():
     a = analyse_trace(0, 10 * MS, [cpu("a", 0, 8)], 200)
-    signals = TraceSignals(blocked_by=("resize t1",))
+    signals = TraceSignals(blocked_by=("resize@t1",))
     v = build_verdict(trace_id="t", root_name="r", analysis=a, diagnoses=(), signals=signals, delayed_requests=3)
-    assert (v.blocked_by, v.delayed_requests) == (("resize t1",), 3)
+    assert (v.blocked_by, v.delayed_requests) == (("resize@t1",), 3)
     none = build_verdict(trace_id="t", root_name="r", analysis=a, diagnoses=(), signals=TraceSignals())
     assert (none.blocked_by, none.delayed_requests) == (None, None)

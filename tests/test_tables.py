@@ -55,7 +55,7 @@ def test_a_verdict_reads_back_as_written():
         gpu_utilization=0.5,
         gil_pressure_ms=1.5,
         loop_lag_ms=None,
-        blocked_by=("decode " + "e" * 32, "resize " + "f" * 32),
+        blocked_by=("decode@" + "e" * 32, "resize@" + "f" * 32),
         delayed_requests=3,
         stage_kinds={"decode": "cpu", "infer": "gpu"},
     )

@@ -35,7 +35,7 @@ BATCH_FORMATION_MS = "stagetrace.batch.formation_ms"
 BATCH_BUSY_MS = "stagetrace.batch.busy_ms"
 BATCH_ABANDONED = "stagetrace.batch.abandoned"
 # the event-loop wait (a `wait` stage stagetrace adds) and the blocking stages on the other side of it
-BLOCKED_BY = "stagetrace.blocked_by"  # on the wait span and the victim's root: "<stage> <trace id>", longest first
+BLOCKED_BY = "stagetrace.blocked_by"  # on the wait span and the victim's root: "<stage>@<trace id>", longest first
 DELAYED_REQUESTS = "stagetrace.delayed_requests"  # on a blocking stage and its root: other requests on its loop
 
 # --- verdict attributes, on the trace's local root span --------------------------------------------------

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from stagetrace.analysis.breakdown import TraceAnalysis
+from stagetrace.analysis.loopwait import split_blocker
 from stagetrace.analysis.model import StageLike
 from stagetrace.conventions import EVENT_LOOP_WAIT, GPU_KINDS
 
@@ -57,7 +58,7 @@ class TraceSignals:
     gpu_utilization: float | None = None
     gil_pressure_ms: float | None = None
     loop_lag_ms: float | None = None
-    blocked_by: tuple[str, ...] = ()  # the stages that held the loop while the request waited ("<stage> <trace id>")
+    blocked_by: tuple[str, ...] = ()  # the stages that held the loop while the request waited ("<stage>@<trace id>")
 
 
 Stages = Sequence[StageLike]
@@ -252,7 +253,7 @@ def event_loop_blocked(
 def _blockers(blocked_by: tuple[str, ...]) -> str:
     if not blocked_by:
         return ""
-    name, _, trace_id = blocked_by[0].rpartition(" ")  # a stage name may hold spaces, a trace id not
+    name, trace_id = split_blocker(blocked_by[0])
     more = f" and {len(blocked_by) - 1} more" if len(blocked_by) > 1 else ""
     return f": '{name}' of trace {trace_id}{more}"
 

@@ -24,6 +24,17 @@ class LoopBlock(NamedTuple):
     name: str
 
 
+def blocker_entry(stage: str, trace_id: str) -> str:
+    """An entry of ``stagetrace.blocked_by``: ``stage@trace_id`` (the trace id in hex)."""
+    return f"{stage}@{trace_id}"
+
+
+def split_blocker(entry: str) -> tuple[str, str]:
+    """``(stage, trace_id)`` of a ``blocked_by`` entry; a stage name may hold an ``@``, a trace id not."""
+    stage, _, trace_id = entry.rpartition("@")
+    return stage, trace_id
+
+
 @dataclass(frozen=True, slots=True)
 class LoopWait:
     """One stretch of a request waiting for its loop, and what held the loop meanwhile (longest first)."""

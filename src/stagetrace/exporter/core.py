@@ -19,7 +19,7 @@ from opentelemetry.trace import StatusCode, format_trace_id
 from stagetrace import conventions as c
 from stagetrace._safety import RateLimitedLog, report_internal_error
 from stagetrace.analysis import TraceSignals, Verdict, analyse_trace, build_verdict, diagnose
-from stagetrace.analysis.loopwait import loop_waits
+from stagetrace.analysis.loopwait import blocker_entry, loop_waits
 from stagetrace.exporter import signals as sig
 from stagetrace.exporter import spans as sp
 from stagetrace.exporter.foreign import as_stage_span, foreign_kind, link_enclosing_stages, split_foreign_stages
@@ -241,7 +241,7 @@ class ExporterCore:
         for w in waits:
             names = []
             for name, blocker, ns in w.blockers:
-                key = f"{name} {format_trace_id(blocker)}"
+                key = blocker_entry(name, format_trace_id(blocker))
                 held[key] = held.get(key, 0) + ns
                 names.append(key)
             out.append(
