@@ -4,11 +4,18 @@ switching a feature off."""
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
 from opentelemetry.sdk.trace import SynchronousMultiSpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from stagetrace._compat import batch_queue_full, span_processors_under
+from stagetrace._compat import batch_queue_full, gil_wait_stretch_bound_s, span_processors_under
 
 
 def test_batch_span_processor_queue_is_where_compat_reads_it():
@@ -142,3 +149,78 @@ def test_meter_provider_placeholder_and_sampler_from_env(monkeypatch):
     sampler = sampler_from_env()
     assert isinstance(sampler, ParentBased) and isinstance(sampler._root, TraceIdRatioBased)
     assert sampler._root.rate == 0.25
+
+
+# --- CPython's GIL: a waiting thread is off the CPU one switch interval at a time at most ----------------
+
+needs_schedstat = pytest.mark.skipif(
+    not os.path.exists("/proc/thread-self/schedstat"), reason="needs Linux schedstat (slice counts)"
+)
+
+
+def _measured(fn):
+    """Run ``fn`` as a stage on this thread and resolve its CPU figures as the exporter does."""
+    from stagetrace.capture.cpu import CpuSignals
+    from stagetrace.exporter.signals import resolve_cpu
+
+    cpu = CpuSignals()
+    start_ns, before = time.perf_counter_ns(), cpu.read()
+    fn()
+    after, end_ns = cpu.read(), time.perf_counter_ns()
+    stage = SimpleNamespace(
+        cpu_start=before, cpu_end=after, start_ns=start_ns, end_ns=end_ns, wall_ms=(end_ns - start_ns) / 1e6,
+        cpu_ms=None, runqueue_ms=None, blocked_ms=None, not_gil_ms=None,
+    )  # fmt: skip
+    bound_s = gil_wait_stretch_bound_s()
+    resolve_cpu(stage, None if bound_s is None else bound_s * 1e3)
+    return stage
+
+
+def _spin(ms: float) -> None:
+    end = time.perf_counter() + ms / 1000
+    while time.perf_counter() < end:
+        pass
+
+
+@needs_schedstat
+def test_the_gil_bound_is_the_switch_interval_on_this_interpreter():
+    assert gil_wait_stretch_bound_s() == sys.getswitchinterval()
+
+
+@needs_schedstat
+def test_waits_for_a_contended_gil_are_never_proven_to_be_something_else():
+    """A pure-Python stage beside a thread spinning in Python waits for the GIL for tens of ms, in stretches
+    of at most one switch interval: if CPython ever waited for the GIL untimed, this would read as a lock."""
+    stop = threading.Event()
+
+    def hog() -> None:
+        while not stop.is_set():
+            pass
+
+    t = threading.Thread(target=hog, daemon=True)
+    t.start()
+    try:
+        stages = [_measured(lambda: _spin(60)) for _ in range(3)]
+    finally:
+        stop.set()
+        t.join()
+    assert max(s.blocked_ms for s in stages) > 10.0, [vars(s) for s in stages]  # it did wait for the GIL
+    assert all(s.not_gil_ms < 5.0 for s in stages), [vars(s) for s in stages]  # and none of it was proven not
+
+
+@needs_schedstat
+def test_a_wait_for_a_lock_held_by_a_sleeping_thread_is_proven_not_the_gil():
+    lock = threading.Lock()
+    held = threading.Event()
+
+    def holder() -> None:
+        with lock:
+            held.set()
+            time.sleep(0.05)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    held.wait()
+    stage = _measured(lambda: lock.acquire() and lock.release())  # type: ignore[func-returns-value]
+    t.join()
+    assert stage.blocked_ms > 30.0 and stage.not_gil_ms > 0.5 * stage.blocked_ms, vars(stage)

@@ -109,6 +109,7 @@ def test_diagnosis_message_is_specific(code):
         ),
         "GIL_CONTENTION": ([cpu("t", 0, 50, blocked_ms=40)], TraceSignals(gil_pressure_ms=5)),
         "LOCK_OR_IO_WAIT": ([cpu("t", 0, 50, blocked_ms=40)], TraceSignals(gil_pressure_ms=0.1)),
+        "OFF_CPU_WAIT": ([cpu("t", 0, 50, blocked_ms=40)], TraceSignals()),
         "CPU_OVERSUBSCRIBED": ([cpu("t", 0, 50, runqueue_ms=30)], TraceSignals()),
         "EVENT_LOOP_BLOCKED": ([cpu("t", 0, 50, on_event_loop=True)], TraceSignals()),
         "QUEUEING": ([cpu("q", 0, 50, kind="wait")], TraceSignals()),

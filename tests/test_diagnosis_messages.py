@@ -75,20 +75,131 @@ def test_batch_wait_exactly_at_its_thresholds_fires():
 
 def test_cpu_side_rules_name_the_worst_stage():
     two = [
-        cpu("small", 0, 40, cpu_ms=5, blocked_ms=20, runqueue_ms=15),
-        cpu("big", 40, 100, cpu_ms=5, blocked_ms=50, runqueue_ms=30),
+        cpu("small", 0, 40, cpu_ms=18, blocked_ms=20, runqueue_ms=2),
+        cpu("big", 40, 100, cpu_ms=7, blocked_ms=50, runqueue_ms=3),
     ]
     gil = run(two, signals=TraceSignals(gil_pressure_ms=6.25))
     assert only(gil, "GIL_CONTENTION") == (
         "'big' was blocked 50.0 ms of its 60.0 ms while the GIL was contended (sampler wake-up lag 6.2 ms)",
         "big",
     )
-    lock = run(two, signals=TraceSignals(gil_pressure_ms=0.5))
+    lock = run(two, signals=TraceSignals(gil_pressure_ms=0.5))  # no slice counts: the GIL measured free decides
     assert only(lock, "LOCK_OR_IO_WAIT") == (
         "'big' was off-CPU 50.0 ms of its 60.0 ms with the GIL free: a lock, queue or I/O wait",
         "big",
     )
-    assert only(lock, "CPU_OVERSUBSCRIBED") == ("'big' waited 30.0 ms of its 60.0 ms for a CPU (run queue)", "big")
+    crowded = [cpu("small", 0, 40, cpu_ms=25, runqueue_ms=15), cpu("big", 40, 100, cpu_ms=30, runqueue_ms=30)]
+    assert only(run(crowded), "CPU_OVERSUBSCRIBED") == (
+        "'big' waited 30.0 ms of its 60.0 ms for a CPU (run queue)",
+        "big",
+    )
+
+
+def test_a_wait_proven_longer_than_any_gil_wait_is_a_lock_wait_whatever_the_sampler_says():
+    lookup = [cpu("lookup", 0, 20, cpu_ms=1, blocked_ms=15, not_gil_ms=9.5)]
+    for signals in (TraceSignals(), TraceSignals(gil_pressure_ms=1.2), TraceSignals(gil_pressure_ms=6.0)):
+        found = run(lookup, total_ms=25, signals=signals)
+        assert only(found, "LOCK_OR_IO_WAIT") == (
+            "'lookup' was off-CPU 15.0 ms of its 20.0 ms, at least 9.5 ms of it in waits longer than a wait for "
+            "the GIL lasts: a lock, queue or I/O wait",
+            "lookup",
+        )
+        assert "GIL_CONTENTION" not in found and "OFF_CPU_WAIT" not in found  # 5.5 ms left for the GIL: < 30 %
+    # One cause per stage: the proven one. The rest of its blocked time may or may not have been the GIL.
+    mixed = [cpu("parse", 0, 50, cpu_ms=10, blocked_ms=40, not_gil_ms=20)]
+    found = run(mixed, signals=TraceSignals(gil_pressure_ms=6.0))
+    assert "LOCK_OR_IO_WAIT" in found and "GIL_CONTENTION" not in found
+    beside = [*mixed, cpu("tokenize", 50, 100, cpu_ms=20, blocked_ms=30, not_gil_ms=0.0)]
+    found = run(beside, signals=TraceSignals(gil_pressure_ms=6.0))
+    assert found["LOCK_OR_IO_WAIT"].stage == "parse" and found["GIL_CONTENTION"].stage == "tokenize"
+
+
+def test_short_waits_beside_a_free_gil_are_a_lock_wait_only_with_cpus_to_spare():
+    """On a host out of CPUs the sampler's own wake-ups find the GIL free while the threads beside it wait for
+    a preempted holder: short waits there are the oversubscription's, not a lock's."""
+    quiet = [cpu("lookup", 0, 32, cpu_ms=21.8, blocked_ms=10, runqueue_ms=0.2, not_gil_ms=0.0)]
+    found = run(quiet, total_ms=34, signals=TraceSignals(gil_pressure_ms=0.1))
+    assert set(found) == {"LOCK_OR_IO_WAIT"}
+    assert found["LOCK_OR_IO_WAIT"].message.endswith(
+        "off-CPU 10.0 ms of its 32.0 ms with the GIL free: a lock, queue or I/O wait"
+    )
+    crowded = [cpu("compress", 0, 32, cpu_ms=18, blocked_ms=10, runqueue_ms=4, not_gil_ms=0.0)]
+    found = run(crowded, total_ms=34, signals=TraceSignals(gil_pressure_ms=0.1))
+    assert set(found) == {"CPU_OVERSUBSCRIBED"}
+    assert only(found, "CPU_OVERSUBSCRIBED") == (
+        "'compress' waited 4.0 ms of its 32.0 ms for a CPU (run queue), and 10.0 ms more off-CPU in waits as short "
+        "as GIL handoffs (a GIL holder preempted by the scheduler keeps the other threads waiting)",
+        "compress",
+    )
+    # a long wait on a host out of CPUs: a lock, or the handoff of the GIL to a thread stuck in the run queue
+    long_wait = [cpu("compress", 0, 32, cpu_ms=2, blocked_ms=24, runqueue_ms=6, not_gil_ms=18.5)]
+    found = run(long_wait, total_ms=34, signals=TraceSignals(gil_pressure_ms=0.1))
+    assert set(found) == {"OFF_CPU_WAIT"}
+
+
+def test_gil_waits_on_a_stage_that_also_waited_for_a_cpu_are_the_oversubscriptions():
+    stage = [cpu("compress", 0, 31, cpu_ms=9, blocked_ms=12, runqueue_ms=10, not_gil_ms=0.0)]
+    found = run(stage, total_ms=40, signals=TraceSignals(gil_pressure_ms=2.1))
+    assert set(found) == {"CPU_OVERSUBSCRIBED"}
+    assert only(found, "CPU_OVERSUBSCRIBED") == (
+        "'compress' waited 10.0 ms of its 31.0 ms for a CPU (run queue), and 12.0 ms more off-CPU in waits as "
+        "short as GIL handoffs (a GIL holder preempted by the scheduler keeps the other threads waiting)",
+        "compress",
+    )
+    queued_only = [cpu("compress", 0, 31, cpu_ms=19, blocked_ms=2, runqueue_ms=10, not_gil_ms=0.0)]
+    assert only(run(queued_only, total_ms=40), "CPU_OVERSUBSCRIBED")[0].endswith("for a CPU (run queue)")
+
+
+def test_gil_waits_while_the_host_was_out_of_cpus_are_the_oversubscriptions_too():
+    """The stage itself barely queued for a CPU, but the sampler's wake-ups did: its GIL holders were being
+    preempted, so its GIL-like waits are named CPU_OVERSUBSCRIBED, not GIL contention."""
+    stage = [cpu("compress", 0, 31, cpu_ms=11.5, blocked_ms=19, runqueue_ms=0.5, not_gil_ms=0.0)]
+    starved = TraceSignals(gil_pressure_ms=2.0, cpu_pressure_ms=3.5)
+    found = run(stage, total_ms=40, signals=starved)
+    assert set(found) == {"CPU_OVERSUBSCRIBED"}
+    assert only(found, "CPU_OVERSUBSCRIBED") == (
+        "'compress' waited 0.5 ms of its 31.0 ms for a CPU (run queue), and 19.0 ms more off-CPU in waits as short "
+        "as GIL handoffs (a GIL holder preempted by the scheduler keeps the other threads waiting); the process's "
+        "woken threads waited 3.5 ms on average for a CPU",
+        "compress",
+    )
+    spare = TraceSignals(gil_pressure_ms=2.0, cpu_pressure_ms=0.99)  # CPUs to spare: the GIL it is
+    assert set(run(stage, total_ms=40, signals=spare)) == {"GIL_CONTENTION"}
+    # GIL waits of most of a switch interval, far longer than the waits for a CPU: holders running Python
+    held = TraceSignals(gil_pressure_ms=8.0, cpu_pressure_ms=3.5)
+    assert set(run(stage, total_ms=40, signals=held)) == {"GIL_CONTENTION"}
+    # ... unless the stage's own wake-ups queued for a CPU too: its waits are the oversubscription's
+    queued = [cpu("compress", 0, 31, cpu_ms=6, blocked_ms=15, runqueue_ms=10, not_gil_ms=0.0)]
+    assert set(run(queued, total_ms=40, signals=held)) == {"CPU_OVERSUBSCRIBED"}
+    # ... unless its GIL waits dwarf the waits for a CPU all the same: both causes, each named
+    dwarfed = TraceSignals(gil_pressure_ms=20.0, cpu_pressure_ms=1.0)
+    assert set(run(queued, total_ms=40, signals=dwarfed)) == {"GIL_CONTENTION", "CPU_OVERSUBSCRIBED"}
+    near = TraceSignals(gil_pressure_ms=3.8, cpu_pressure_ms=2.2)  # long, but under twice the wait for a CPU
+    assert set(run(stage, total_ms=40, signals=near)) == {"CPU_OVERSUBSCRIBED"}
+
+
+def test_a_loop_stall_while_the_process_was_starved_is_not_blamed_on_work_on_the_loop():
+    stage = [cpu("d", 0, 90)]
+    assert "EVENT_LOOP_BLOCKED" in run(stage, signals=TraceSignals(loop_lag_ms=73.25, gil_pressure_ms=0.2))
+    for starved in (TraceSignals(gil_pressure_ms=1.5), TraceSignals(cpu_pressure_ms=2.0)):
+        signals = TraceSignals(loop_lag_ms=73.25, gil_pressure_ms=starved.gil_pressure_ms,
+                               cpu_pressure_ms=starved.cpu_pressure_ms)  # fmt: skip
+        assert "EVENT_LOOP_BLOCKED" not in run(stage, signals=signals), signals
+    queued = [cpu("d", 0, 90, cpu_ms=50, runqueue_ms=30)]  # the request's own stage waited for a CPU
+    assert "EVENT_LOOP_BLOCKED" not in run(queued, signals=TraceSignals(loop_lag_ms=73.25, gil_pressure_ms=0.2))
+    held = [cpu("d", 0, 90, on_event_loop=True)]  # a sync stage of its own on the loop is named all the same
+    assert "EVENT_LOOP_BLOCKED" in run(held, signals=TraceSignals(loop_lag_ms=73.25, gil_pressure_ms=9.0))
+
+
+def test_a_blocked_stage_without_a_gil_reading_says_what_was_measured():
+    stage = [cpu("tokenize", 0, 64, cpu_ms=38.5, blocked_ms=25, runqueue_ms=0.5, not_gil_ms=0.0)]
+    found = run(stage, total_ms=76)
+    assert set(found) == {"OFF_CPU_WAIT"}
+    assert only(found, "OFF_CPU_WAIT") == (
+        "'tokenize' was off-CPU 25.0 ms of its 64.0 ms, for the GIL or for a lock or I/O: the request spanned "
+        "too few GIL-sampler wake-ups to measure GIL pressure",
+        "tokenize",
+    )
 
 
 def test_event_loop_blocked_names_the_longest_sync_stage_or_the_lag():
@@ -208,4 +319,7 @@ def test_between_a_free_and_a_contended_gil_the_blocked_stage_is_not_given_a_cau
     for pressure in (1.0, 1.25, 1.49):
         found = run(blocked, signals=TraceSignals(gil_pressure_ms=pressure))
         assert "GIL_CONTENTION" not in found and "LOCK_OR_IO_WAIT" not in found, pressure
+        assert found["OFF_CPU_WAIT"].message.endswith(
+            f"GIL pressure {pressure:.1f} ms lies between a free GIL (< 1 ms) and a contended one (>= 1.5 ms)"
+        )
     assert "LOCK_OR_IO_WAIT" in run(blocked, signals=TraceSignals(gil_pressure_ms=0.99))

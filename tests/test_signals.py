@@ -4,6 +4,8 @@ lag a request reports is the stall it lived through, not a neighbour's."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from stagetrace.exporter.signals import LagSeries, flatten, max_loop_lag_ms
 
@@ -47,11 +49,83 @@ def test_the_worst_stall_in_the_window_is_reported():
 
 
 def test_gil_pressure_is_the_mean_within_the_requests_own_window_and_needs_three_wake_ups():
-    from stagetrace.exporter.signals import gil_pressure_ms
+    from stagetrace.exporter.signals import sampler_mean_ms
 
     # a neighbour's contention (5 ms lags) before the request; the request 1000-1050 saw the GIL free
     s = series(*[(900 + 10 * i, 5.0) for i in range(10)], (1010, 0.1), (1020, 0.2), (1030, 0.1), (1040, 0.2))
-    assert gil_pressure_ms(s, 1000 * MS, 1050 * MS, period_s=0.010) == 0.15
-    assert gil_pressure_ms(s, 1000 * MS, 1015 * MS, period_s=0.010) is None  # two wake-ups: not measured
+    assert sampler_mean_ms(s, 1000 * MS, 1050 * MS, period_s=0.010) == 0.15
+    assert sampler_mean_ms(s, 1000 * MS, 1015 * MS, period_s=0.010) is None  # two wake-ups: not measured
+    # a sampler held back 30 ms from inside the window reports after it: that wait was the request's too
+    held = series((1010, 0.1), (1020, 0.2), (1062, 30.0), (1072, 0.1))
+    assert sampler_mean_ms(held, 1000 * MS, 1040 * MS, period_s=0.010) == pytest.approx(10.1)
+    # one wake-up held back three periods is a measurement; two quick ones are not
+    assert sampler_mean_ms(series((1045, 30.0)), 1000 * MS, 1040 * MS, period_s=0.010) == 30.0
+    assert sampler_mean_ms(series((1010, 0.1), (1020, 0.2)), 1000 * MS, 1040 * MS, period_s=0.010) is None
     # the wake-up one period after the end still reports on the window
-    assert gil_pressure_ms(s, 1005 * MS, 1030 * MS, period_s=0.010) == pytest.approx(0.15)
+    assert sampler_mean_ms(s, 1005 * MS, 1030 * MS, period_s=0.010) == pytest.approx(0.15)
+
+
+# --- how much of a stage's blocked time was provably not the GIL ------------------------------------------
+
+
+def test_blocked_time_within_one_gil_wait_per_slice_proves_nothing():
+    from stagetrace.exporter.signals import GIL_WAIT_MARGIN_MS, not_gil_ms
+
+    bound = 5.0 + GIL_WAIT_MARGIN_MS
+    assert not_gil_ms(0.0, 0, 5.0) == 0.0
+    assert not_gil_ms(30.0, 0, 5.0) == 0.0  # never scheduled out: no stretch to judge
+    assert not_gil_ms(bound, 1, 5.0) == 0.0  # one stretch as long as a GIL wait can be
+    assert not_gil_ms(3 * bound, 3, 5.0) == 0.0
+
+
+def test_blocked_time_beyond_a_gil_wait_per_slice_is_proven_a_wait_of_another_kind():
+    from stagetrace.exporter.signals import GIL_WAIT_MARGIN_MS, not_gil_ms
+
+    bound = 5.0 + GIL_WAIT_MARGIN_MS
+    assert not_gil_ms(40.0, 1, 5.0) == 40.0  # one stretch of 40 ms: no GIL wait lasts that long
+    # two stretches, 12 ms: at most one was a GIL wait, so the rest was not the GIL
+    assert not_gil_ms(12.0, 2, 5.0) == pytest.approx(12.0 - bound)
+    assert not_gil_ms(3 * bound + 0.01, 3, 5.0) == pytest.approx(bound + 0.01)
+    assert not_gil_ms(9.0, 1, 0.0) == 9.0  # no GIL at all: none of it was a GIL wait
+
+
+@given(
+    gil_waits=st.lists(st.floats(0.0, 5.5), max_size=12),
+    other_waits=st.lists(st.floats(0.0, 100.0), max_size=6),
+    extra_slices=st.integers(0, 10),
+)
+def test_not_gil_never_claims_more_than_the_waits_that_were_not_the_gil(gil_waits, other_waits, extra_slices):
+    """Any mix of GIL waits (each within the switch interval and its margin) and other waits, with at least
+    one slice per stretch (preemptions add more): the proven part never exceeds the other waits."""
+    from stagetrace.exporter.signals import not_gil_ms
+
+    blocked = sum(gil_waits) + sum(other_waits)
+    slices = len(gil_waits) + len(other_waits) + extra_slices
+    assert not_gil_ms(blocked, slices, 5.0) <= sum(other_waits) + 1e-9
+
+
+def test_resolve_cpu_reads_the_slice_count_from_schedstat():
+    from types import SimpleNamespace
+
+    from stagetrace.exporter.signals import resolve_cpu
+
+    def stage(start: bytes, end: bytes):
+        return SimpleNamespace(
+            cpu_start=start, cpu_end=end, start_ns=0, end_ns=50 * MS, wall_ms=50.0,
+            cpu_ms=None, runqueue_ms=None, blocked_ms=None, not_gil_ms=None,
+        )  # fmt: skip
+
+    # 50 ms: 5 on-CPU, 5 in the run queue, 40 off-CPU in one stretch (two slices: start and after the wait)
+    one_wait = stage(b"1000000000 2000000000 10\n", b"1005000000 2005000000 12\n")
+    resolve_cpu(one_wait, 5.0)
+    assert (one_wait.cpu_ms, one_wait.runqueue_ms, one_wait.blocked_ms) == (5.0, 5.0, 40.0)
+    assert one_wait.not_gil_ms == pytest.approx(40.0 - 5.5)
+    many = stage(b"1000000000 2000000000 10\n", b"1005000000 2005000000 20\n")  # ten stretches of 4 ms
+    resolve_cpu(many, 5.0)
+    assert many.blocked_ms == 40.0 and many.not_gil_ms == 0.0
+    unknown = stage(b"1000000000 2000000000 10\n", b"1005000000 2005000000 12\n")
+    resolve_cpu(unknown, None)  # no known bound (not CPython): no proof either way
+    assert unknown.blocked_ms == 40.0 and unknown.not_gil_ms is None
+    two_fields = stage(b"1000000000 2000000000\n", b"1005000000 2005000000\n")
+    resolve_cpu(two_fields, 5.0)
+    assert two_fields.blocked_ms == 40.0 and two_fields.not_gil_ms is None

@@ -22,14 +22,15 @@ def test_every_record_carries_every_stage_signal():
         assert field in sample_fields, field
         assert field in shipped, field
         # captured on the request thread, or derived in the exporter from the raw CPU readings
-        assert field in wire.STAGE_FIELDS or field in ("cpu_ms", "blocked_ms", "runqueue_ms"), field
+        assert field in wire.STAGE_FIELDS or field in wire.DERIVED_STAGE_FIELDS, field
         assert field in wire.STAGE_FIELDS or not hasattr(StageRecord, field), field
     assert {f for f, _, _, _ in c.VERDICT_FIELDS} <= {f.name for f in dataclasses.fields(Verdict)}
 
 
 def test_stage_signals_round_trip_through_span_attributes():
     original = StageSample(
-        "decode", "cpu", 0, 5_000_000, span_id=7, cpu_ms=3.5, blocked_ms=1.0, runqueue_ms=0.5, gpu_ms=None,
+        "decode", "cpu", 0, 5_000_000, span_id=7, cpu_ms=3.5, blocked_ms=1.0, runqueue_ms=0.5, not_gil_ms=0.25,
+        gpu_ms=None,
         h2d_bytes=4096, h2d_pinned=False, gpu_utilization=0.25, queue_saturated=True,
     )  # fmt: skip
     shipped = SimpleNamespace(**{f.name: getattr(original, f.name) for f in dataclasses.fields(original)})
@@ -54,6 +55,7 @@ def test_a_verdict_reads_back_as_written():
         diagnoses=(Diagnosis("UNTRACKED_TIME", "m", "a"),),
         gpu_utilization=0.5,
         gil_pressure_ms=1.5,
+        cpu_pressure_ms=2.25,
         loop_lag_ms=None,
         blocked_by=("decode@" + "e" * 32, "resize@" + "f" * 32),
         delayed_requests=3,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -181,3 +182,25 @@ def fastapi_telemetry_config(app: Any) -> dict[str, Any] | None:
 def fastapi_contrib_instrumented(app: Any) -> bool:
     """Has the contrib ``FastAPIInstrumentor`` instrumented this app (``_is_instrumented_by_opentelemetry``)?"""
     return bool(getattr(app, "_is_instrumented_by_opentelemetry", False))
+
+
+# --- the interpreter's GIL: how long one wait for it can last --------------------------------------------
+
+
+def gil_wait_stretch_bound_s() -> float | None:
+    """The longest a thread waiting for the GIL stays off the CPU in one stretch, in seconds, for
+    ``exporter.signals.not_gil_ms``: 0.0 where there is no GIL (a free-threaded build with it disabled), None
+    where it is not known (another implementation than CPython).
+
+    CPython's ``take_gil`` waits on a condition with the switch interval as its timeout, then asks the
+    holder to drop the GIL and waits again, so each stretch ends within one interval. (The thread made to
+    drop the GIL waits, untimed, until the one that asked takes it: immediate while there are free CPUs,
+    and on a host without any the stage's own run-queue wait says so.) ``tests/test_compat.py`` checks
+    this on real threads.
+    """
+    if sys.implementation.name != "cpython":
+        return None
+    is_gil_enabled = getattr(sys, "_is_gil_enabled", None)  # 3.13+
+    if is_gil_enabled is not None and not is_gil_enabled():
+        return 0.0
+    return sys.getswitchinterval()

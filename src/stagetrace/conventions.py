@@ -9,6 +9,7 @@ STAGE_KIND = "stagetrace.stage.kind"
 CPU_MS = "stagetrace.cpu_ms"
 BLOCKED_MS = "stagetrace.blocked_ms"
 RUNQUEUE_MS = "stagetrace.runqueue_ms"
+NOT_GIL_MS = "stagetrace.blocked.not_gil_ms"  # of blocked_ms, at least this much in waits longer than a GIL wait
 ON_EVENT_LOOP = "stagetrace.on_event_loop"
 GPU_DURATION_MS = "stagetrace.gpu.duration_ms"
 GPU_UTILIZATION = "stagetrace.gpu.utilization"
@@ -51,6 +52,7 @@ DIAGNOSIS = "stagetrace.diagnosis"
 # GPU_UTILIZATION is reused on the root for the mean over the trace.
 # Extensions beyond the contract: the process signals the diagnosis was judged on.
 GIL_PRESSURE_MS = "stagetrace.gil.pressure_ms"
+CPU_PRESSURE_MS = "stagetrace.cpu.pressure_ms"  # mean run-queue wait of the GIL sampler's wake-ups
 LOOP_LAG_MS = "stagetrace.loop.lag_ms"
 
 # --- span events -----------------------------------------------------------------------------------------
@@ -84,6 +86,7 @@ STAGE_SIGNALS: tuple[tuple[str, str, type], ...] = (
     ("cpu_ms", CPU_MS, float),
     ("blocked_ms", BLOCKED_MS, float),
     ("runqueue_ms", RUNQUEUE_MS, float),
+    ("not_gil_ms", NOT_GIL_MS, float),
     ("gpu_ms", GPU_DURATION_MS, float),
     ("h2d_bytes", H2D_BYTES, int),
     ("h2d_pinned", H2D_PINNED, bool),
@@ -102,6 +105,7 @@ VERDICT_FIELDS: tuple[tuple[str, str, type, int | None], ...] = (
     ("ratio", BOTTLENECK_RATIO, float, 4),
     ("gpu_utilization", GPU_UTILIZATION, float, 4),
     ("gil_pressure_ms", GIL_PRESSURE_MS, float, None),
+    ("cpu_pressure_ms", CPU_PRESSURE_MS, float, None),
     ("loop_lag_ms", LOOP_LAG_MS, float, None),
     ("blocked_by", BLOCKED_BY, tuple, None),
     ("delayed_requests", DELAYED_REQUESTS, int, None),

@@ -19,7 +19,7 @@ from stagetrace.conventions import INSTRUMENTATION_NAME
 from stagetrace.exporter.core import ExporterCore
 from stagetrace.exporter.metrics import MetricsRecorder, MetricsSink, StagetraceMetrics
 from stagetrace.exporter.outputs import LocalOutputs, NoMetrics, SpanForwarder
-from stagetrace.exporter.signals import GIL_SERIES, LOOP_SERIES
+from stagetrace.exporter.signals import GIL_SERIES, LOOP_SERIES, RUN_QUEUE_SERIES
 from stagetrace.handoff.processor import StagetraceSpanProcessor
 from stagetrace.handoff.shipper import Shipper, Transport
 from stagetrace.handoff.transport import InlineTransport, ProcessTransport
@@ -67,6 +67,7 @@ class Runtime:
         sources: dict[str, Any] = {LOOP_SERIES: self.loop_monitor.series}
         if self.gil_sampler is not None:
             sources[GIL_SERIES] = self.gil_sampler.series
+            sources[RUN_QUEUE_SERIES] = self.gil_sampler.run_queue
         self.loop_blocks = LoopBlockBuffer()
         self.requests_on_loop = self.registry.on_loop
         self.shipper = Shipper(

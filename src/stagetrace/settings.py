@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from stagetrace._compat import gil_wait_stretch_bound_s
 from stagetrace.analysis import DiagnosisThresholds
 
 DEFAULT_SLOW_THRESHOLD_MS = 200.0
@@ -92,6 +93,9 @@ class Settings:
     record_query_strings: bool = field(default_factory=lambda: env_flag("STAGETRACE_RECORD_QUERY_STRINGS"))
     cpu_signals: bool = True  # per-stage on-CPU / run-queue / blocked time (two schedstat reads per stage)
     gil_sampler_period_s: float = 0.010  # 0 turns the GIL-pressure sampler off
+    # The longest a thread waiting for the GIL sleeps at a stretch (the application's switch interval; 0 without
+    # a GIL, None where unknown), for ``exporter.signals.not_gil_ms``; read when stagetrace is configured.
+    gil_wait_bound_s: float | None = field(default_factory=gil_wait_stretch_bound_s)
     loop_lag_interval_s: float = 0.050
     # Where the work after capture runs: an exporter process (True) or a thread of the application.
     export_process: bool = field(default_factory=export_process_from_env)

@@ -31,10 +31,22 @@ class DiagnosisThresholds:
     pageable_min_bytes: int = 64 * 1024
     blocked_share: float = 0.30  # of a CPU stage's wall time
     blocked_min_ms: float = 5.0  # and at least this much: a few ms lost to other threads is normal
-    # Sampler wake-up lag (mean over the request): from gil_pressure_ms the GIL was contended, below gil_free_ms
-    # it was free. In between the signal cannot tell a GIL wait from a lock wait, and neither rule fires.
+    # Sampler wake-up lag (mean over the request): from gil_pressure_ms the GIL was contended. Below gil_free_ms it
+    # was free, which names a lock wait only where the platform gives no scheduler counts (see lock_or_io_wait).
     gil_pressure_ms: float = 1.5
     gil_free_ms: float = 1.0
+    # Sampler run-queue wait (mean over the request): from here the host was out of CPUs while it ran.
+    cpu_pressure_ms: float = 2.0
+    # A GIL wait this long (most of a 5 ms switch interval), and far longer than the sampler's wait for a CPU,
+    # means holders running Python through their interval: GIL contention even on a host out of CPUs. Far
+    # longer: gil_over_cpu times, or gil_over_cpu_queued times when the stage queued for a CPU itself. Shorter
+    # GIL waits on such a host are holders preempted by the scheduler.
+    gil_held_ms: float = 3.0
+    gil_over_cpu: float = 2.0
+    gil_over_cpu_queued: float = 4.0
+    # A stage whose run-queue time is this share of its time off the CPU (and this long) met a host out of CPUs.
+    queued_share: float = 0.15
+    queued_min_ms: float = 1.0
     runqueue_share: float = 0.30
     runqueue_min_ms: float = 5.0  # a few ms waiting for a CPU on a busy host is not actionable
     event_loop_stage_ms: float = 20.0
@@ -57,6 +69,7 @@ class TraceSignals:
 
     gpu_utilization: float | None = None
     gil_pressure_ms: float | None = None
+    cpu_pressure_ms: float | None = None  # how long the GIL sampler's wake-ups waited for a CPU (mean)
     loop_lag_ms: float | None = None
     blocked_by: tuple[str, ...] = ()  # the stages that held the loop while the request waited ("<stage>@<trace id>")
 
@@ -83,6 +96,11 @@ ADVICE = {
     "LOCK_OR_IO_WAIT": (
         "The stage was off-CPU while the GIL was free: it waited on a lock, a queue or I/O. Find what it "
         "blocks on (py-spy dump during a slow request) and shorten the critical section or make it async."
+    ),
+    "OFF_CPU_WAIT": (
+        "The stage waited off the CPU, for the GIL or for a lock or I/O, and the signals could not tell which. "
+        "`py-spy dump --pid <pid>` during a slow request shows what it waits on (`py-spy record --gil` whether "
+        "it holds the GIL); a stage that spans several GIL-sampler periods gets a cause named."
     ),
     "CPU_OVERSUBSCRIBED": (
         "Runnable threads outnumber cores. Use fewer threads than cores: cap torch.set_num_threads, "
@@ -160,25 +178,102 @@ def pageable_h2d(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: Diagno
     )
 
 
-def _blocked_stage(stages: Sequence[StageLike], th: DiagnosisThresholds) -> StageLike | None:
-    candidates = [
-        s
-        for s in _cpu_stages(stages, th)
-        if s.blocked_ms is not None and s.blocked_ms >= max(th.blocked_min_ms, th.blocked_share * s.wall_ms)
-    ]
-    return max(candidates, key=lambda s: s.blocked_ms or 0.0) if candidates else None
+def _at_least(ms: float | None, floor_ms: float, share: float, s: StageLike) -> bool:
+    return ms is not None and ms >= max(floor_ms, share * s.wall_ms)
+
+
+def _waited_for_cpu(s: StageLike, th: DiagnosisThresholds) -> bool:
+    return _at_least(s.runqueue_ms, th.runqueue_min_ms, th.runqueue_share, s)
+
+
+def _host_out_of_cpus(sig: TraceSignals, th: DiagnosisThresholds) -> bool:
+    return sig.cpu_pressure_ms is not None and sig.cpu_pressure_ms >= th.cpu_pressure_ms
+
+
+def _starved(stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds) -> bool:
+    """The process's threads waited for the GIL or for a CPU during the request (the sampler's wake-ups did, or
+    a stage of the request waited for a CPU)."""
+    contended = sig.gil_pressure_ms is not None and sig.gil_pressure_ms >= th.gil_pressure_ms
+    return contended or _host_out_of_cpus(sig, th) or any(_waited_for_cpu(s, th) for s in _cpu_stages(stages, th))
+
+
+def _gil_explainable_ms(s: StageLike) -> float:
+    """The part of a stage's blocked time that waits for the GIL could account for."""
+    return (s.blocked_ms or 0.0) - (s.not_gil_ms or 0.0)
+
+
+# Why a CPU stage was blocked (off-CPU, not waiting for a CPU), as far as the signals can tell.
+GIL, LOCK, PREEMPTED_HOLDERS, UNDETERMINED = "gil", "lock", "preempted holders", "undetermined"
+
+
+def _queued_for_cpu(s: StageLike, th: DiagnosisThresholds) -> bool:
+    """The stage's own wake-ups queued for a CPU: a fair share of its time off the CPU was run-queue time."""
+    rq = s.runqueue_ms or 0.0
+    return rq >= max(th.queued_min_ms, th.queued_share * (rq + (s.blocked_ms or 0.0)))
+
+
+def blocked_cause(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> str | None:
+    """None when the stage was not blocked enough to matter; else what its blocked time was.
+
+    With CPUs to spare (the stage's wake-ups did not queue for a CPU, nor did the sampler's):
+
+    - LOCK: its own scheduler counts prove that much of it was in waits longer than any wait for the GIL
+      (``not_gil_ms``), or the GIL sampler found the GIL free.
+    - GIL: waits as short as GIL waits while the sampler found the GIL contended.
+
+    On a host out of CPUs a thread holding the GIL is preempted as often as it runs, every other thread waits
+    on it, and the one made to drop the GIL waits, untimed, for a successor stuck in the run queue:
+
+    - PREEMPTED_HOLDERS: waits as short as GIL waits; CPU_OVERSUBSCRIBED's cause and remedy, not GIL
+      contention's. Unless the sampler's GIL waits were most of a switch interval and far longer than its
+      waits for a CPU (holders running Python through their interval): then GIL.
+
+    UNDETERMINED otherwise: GIL pressure not measured or between free and contended, long waits on a host out
+    of CPUs (a lock, or a handoff to a queued thread). Naming a cause there would be a guess.
+    """
+    if not _at_least(s.blocked_ms, th.blocked_min_ms, th.blocked_share, s):
+        return None
+    proven = _at_least(s.not_gil_ms, th.blocked_min_ms, th.blocked_share, s)
+    gil_like = _at_least(_gil_explainable_ms(s), th.blocked_min_ms, th.blocked_share, s)
+    pressure = sig.gil_pressure_ms
+    queued = _queued_for_cpu(s, th)
+    if not queued and not _host_out_of_cpus(sig, th):
+        if proven:
+            return LOCK
+        if gil_like and pressure is not None and pressure >= th.gil_pressure_ms:
+            return GIL
+        if pressure is not None and pressure < th.gil_free_ms:
+            return LOCK
+        return UNDETERMINED
+    if proven or not gil_like:
+        return UNDETERMINED
+    over = th.gil_over_cpu_queued if queued else th.gil_over_cpu
+    held = pressure is not None and pressure >= th.gil_held_ms and pressure >= over * (sig.cpu_pressure_ms or 0)
+    return GIL if held else PREEMPTED_HOLDERS
+
+
+def _blocked_for(
+    cause: str, stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds
+) -> StageLike | None:
+    """The stage blocked longest for ``cause`` (by the part of its blocked time that cause explains)."""
+    hits = [s for s in _cpu_stages(stages, th) if blocked_cause(s, sig, th) == cause]
+    if not hits:
+        return None
+    if cause == LOCK:
+        return max(hits, key=lambda s: s.not_gil_ms if s.not_gil_ms else s.blocked_ms or 0.0)
+    return max(hits, key=_gil_explainable_ms if cause in (GIL, PREEMPTED_HOLDERS) else lambda s: s.blocked_ms or 0.0)
 
 
 def gil_contention(
     a: TraceAnalysis, stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds
 ) -> Diagnosis | None:
-    s = _blocked_stage(stages, th)
-    if s is None or sig.gil_pressure_ms is None or sig.gil_pressure_ms < th.gil_pressure_ms:
+    s = _blocked_for(GIL, stages, sig, th)
+    if s is None:
         return None
     return _make(
         "GIL_CONTENTION",
-        f"'{s.name}' was blocked {s.blocked_ms:.1f} ms of its {s.wall_ms:.1f} ms while the GIL was contended "
-        f"(sampler wake-up lag {sig.gil_pressure_ms:.1f} ms)",
+        f"'{s.name}' was blocked {_gil_explainable_ms(s):.1f} ms of its {s.wall_ms:.1f} ms while the GIL was "
+        f"contended (sampler wake-up lag {sig.gil_pressure_ms:.1f} ms)",
         s.name,
     )
 
@@ -186,15 +281,41 @@ def gil_contention(
 def lock_or_io_wait(
     a: TraceAnalysis, stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds
 ) -> Diagnosis | None:
-    # Needs a GIL pressure measured low: without one, or with one in the band where GIL contention and a lock
-    # wait look alike, "blocked" is not called a lock wait.
-    s = _blocked_stage(stages, th)
-    if s is None or sig.gil_pressure_ms is None or sig.gil_pressure_ms >= th.gil_free_ms:
+    s = _blocked_for(LOCK, stages, sig, th)
+    if s is None:
         return None
+    if s.not_gil_ms:
+        evidence = f", at least {s.not_gil_ms:.1f} ms of it in waits longer than a wait for the GIL lasts"
+    else:
+        evidence = " with the GIL free"
     return _make(
         "LOCK_OR_IO_WAIT",
-        f"'{s.name}' was off-CPU {s.blocked_ms:.1f} ms of its {s.wall_ms:.1f} ms with the GIL free: "
-        "a lock, queue or I/O wait",
+        f"'{s.name}' was off-CPU {s.blocked_ms:.1f} ms of its {s.wall_ms:.1f} ms{evidence}: a lock, queue or I/O wait",
+        s.name,
+    )
+
+
+def off_cpu_wait(
+    a: TraceAnalysis, stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds
+) -> Diagnosis | None:
+    """A blocked stage whose cause the signals cannot tell: what was measured, and why no cause is named."""
+    s = _blocked_for(UNDETERMINED, stages, sig, th)
+    if s is None:
+        return None
+    pressure = sig.gil_pressure_ms
+    if pressure is None:
+        why = "the request spanned too few GIL-sampler wake-ups to measure GIL pressure"
+    elif pressure >= th.gil_free_ms:
+        why = (
+            f"GIL pressure {pressure:.1f} ms lies between a free GIL (< {th.gil_free_ms:g} ms) and a contended "
+            f"one (>= {th.gil_pressure_ms:g} ms)"
+        )
+    else:
+        why = "the GIL sampler found the GIL free, but every stretch off the CPU was as short as a GIL wait"
+    return _make(
+        "OFF_CPU_WAIT",
+        f"'{s.name}' was off-CPU {s.blocked_ms:.1f} ms of its {s.wall_ms:.1f} ms, for the GIL or for a lock or "
+        f"I/O: {why}",
         s.name,
     )
 
@@ -202,19 +323,25 @@ def lock_or_io_wait(
 def cpu_oversubscribed(
     a: TraceAnalysis, stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds
 ) -> Diagnosis | None:
+    """A stage waited for a CPU (its run-queue time), or waited on GIL holders that the scheduler had
+    preempted (``PREEMPTED_HOLDERS``); the stage that lost the most of the two is named."""
     hits = [
-        s
+        (s, preempted)
         for s in _cpu_stages(stages, th)
-        if s.runqueue_ms is not None and s.runqueue_ms >= max(th.runqueue_min_ms, th.runqueue_share * s.wall_ms)
+        if (preempted := blocked_cause(s, sig, th) == PREEMPTED_HOLDERS) or _waited_for_cpu(s, th)
     ]
     if not hits:
         return None
-    s = max(hits, key=lambda s: s.runqueue_ms or 0.0)
-    return _make(
-        "CPU_OVERSUBSCRIBED",
-        f"'{s.name}' waited {s.runqueue_ms:.1f} ms of its {s.wall_ms:.1f} ms for a CPU (run queue)",
-        s.name,
-    )
+    s, preempted = max(hits, key=lambda h: (h[0].runqueue_ms or 0.0) + (_gil_explainable_ms(h[0]) if h[1] else 0.0))
+    message = f"'{s.name}' waited {s.runqueue_ms or 0.0:.1f} ms of its {s.wall_ms:.1f} ms for a CPU (run queue)"
+    if preempted:
+        message += (
+            f", and {_gil_explainable_ms(s):.1f} ms more off-CPU in waits as short as GIL handoffs (a GIL holder "
+            "preempted by the scheduler keeps the other threads waiting)"
+        )
+    if _host_out_of_cpus(sig, th):
+        message += f"; the process's woken threads waited {sig.cpu_pressure_ms:.1f} ms on average for a CPU"
+    return _make("CPU_OVERSUBSCRIBED", message, s.name)
 
 
 def event_loop_blocked(
@@ -222,7 +349,7 @@ def event_loop_blocked(
 ) -> Diagnosis | None:
     """The request held its loop (a long sync stage of its own), or waited for it while other requests'
     sync stages held it (the ``event_loop.wait`` stage), whichever took longer; else a stall of the loop
-    measured within the request."""
+    measured within the request while the process was not starved of the GIL or of CPUs."""
     on_loop = [s for s in stages if s.on_event_loop and s.kind not in GPU_KINDS and s.wall_ms >= th.event_loop_stage_ms]
     own = max(on_loop, key=lambda s: s.wall_ms) if on_loop else None
     wait_ms = sum(s.wall_ms for s in stages if s.name == EVENT_LOOP_WAIT and s.kind == "wait")
@@ -245,7 +372,9 @@ def event_loop_blocked(
             f"sync stage '{own.name}' ran {own.wall_ms:.1f} ms on the event-loop thread",
             own.name,
         )
-    if sig.loop_lag_ms is not None and sig.loop_lag_ms >= th.event_loop_lag_ms:
+    # A stall while the process's threads were starved (of the GIL, of CPUs) does not show that work ran on
+    # the loop: its thread may have been waiting like every other. The lag stays on the verdict, unnamed.
+    if sig.loop_lag_ms is not None and sig.loop_lag_ms >= th.event_loop_lag_ms and not _starved(stages, sig, th):
         return _make("EVENT_LOOP_BLOCKED", f"event-loop lag reached {sig.loop_lag_ms:.1f} ms during the request")
     return None
 
@@ -365,6 +494,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("PAGEABLE_H2D", pageable_h2d),
     ("GIL_CONTENTION", gil_contention),
     ("LOCK_OR_IO_WAIT", lock_or_io_wait),
+    ("OFF_CPU_WAIT", off_cpu_wait),
     ("CPU_OVERSUBSCRIBED", cpu_oversubscribed),
     ("EVENT_LOOP_BLOCKED", event_loop_blocked),
     ("QUEUEING", queueing),
@@ -373,7 +503,9 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("UNTRACKED_TIME", untracked_time),
 )
 RULE_CODES = tuple(code for code, _ in RULES)
-_NEEDS_CPU_SIGNALS = frozenset({"GIL_CONTENTION", "LOCK_OR_IO_WAIT", "CPU_OVERSUBSCRIBED"})
+# Codes that report a measurement without naming a cause, and the causes they could not tell apart.
+UNDETERMINED_BETWEEN: dict[str, tuple[str, ...]] = {"OFF_CPU_WAIT": ("GIL_CONTENTION", "LOCK_OR_IO_WAIT")}
+_NEEDS_CPU_SIGNALS = frozenset({"GIL_CONTENTION", "LOCK_OR_IO_WAIT", "OFF_CPU_WAIT", "CPU_OVERSUBSCRIBED"})
 
 
 def diagnose(

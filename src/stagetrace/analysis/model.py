@@ -68,6 +68,8 @@ class StageLike(Protocol):
     @property
     def runqueue_ms(self) -> float | None: ...
     @property
+    def not_gil_ms(self) -> float | None: ...
+    @property
     def on_event_loop(self) -> bool: ...
     @property
     def h2d_bytes(self) -> int | None: ...
@@ -106,6 +108,7 @@ class StageSample:
     cpu_ms: float | None = None
     blocked_ms: float | None = None
     runqueue_ms: float | None = None
+    not_gil_ms: float | None = None  # of blocked_ms, at least this much was not a wait for the GIL
     on_event_loop: bool = False
     h2d_bytes: int | None = None
     h2d_pinned: bool | None = None

@@ -34,6 +34,7 @@ class Verdict:
     sampled: bool = True
     stage_kinds: Mapping[str, str] = field(default_factory=dict)
     gil_pressure_ms: float | None = None
+    cpu_pressure_ms: float | None = None
     loop_lag_ms: float | None = None
     blocked_by: tuple[str, ...] | None = None  # what held the loop while this request waited for it
     delayed_requests: int | None = None  # other requests on its loop while its own sync stages held it
@@ -74,6 +75,7 @@ def build_verdict(
         route=route,
         gpu_utilization=signals.gpu_utilization if signals else None,
         gil_pressure_ms=signals.gil_pressure_ms if signals else None,
+        cpu_pressure_ms=signals.cpu_pressure_ms if signals else None,
         loop_lag_ms=signals.loop_lag_ms if signals else None,
         blocked_by=(signals.blocked_by or None) if signals else None,
         delayed_requests=delayed_requests,

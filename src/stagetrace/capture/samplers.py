@@ -3,10 +3,10 @@ per loop). Both only append (epoch ns, lag ms) pairs to a bounded buffer; the he
 the exporter joins them to each trace's window (``exporter.signals``).
 
 GIL pressure: the sampler thread sleeps ``period`` and records how late it woke up, minus its own run-queue
-time over the sleep (the OS's share of the delay on a busy or oversubscribed host), leaving the wait for
-the GIL. A CPU-bound Python thread holding the GIL makes it wait up to the switch interval (5 ms); with
-the GIL free the remainder is ~0.1 ms. Event-loop lag: a task on each instrumented loop does the same
-with ``asyncio.sleep``.
+time over the sleep (the OS's share of the delay on a busy or oversubscribed host, kept as a series of its
+own), leaving the wait for the GIL. A CPU-bound Python thread holding the GIL makes it wait up to the switch
+interval (5 ms); with the GIL free the remainder is ~0.1 ms. Event-loop lag: a task on each instrumented
+loop does the same with ``asyncio.sleep``.
 """
 
 from __future__ import annotations
@@ -52,11 +52,14 @@ class SampleBuffer(DrainQueue[tuple[int, float]]):
 
 
 class GilPressureSampler:
-    """Always-on, one thread: about ``1/period`` wake-ups per second, each a few microseconds."""
+    """Always-on, one thread: about ``1/period`` wake-ups per second, each a few microseconds. Beside the GIL
+    wait, each wake-up's run-queue wait is kept (``run_queue``): how long a thread made runnable waited for a
+    CPU, the host's oversubscription as any thread of the process meets it."""
 
     def __init__(self, period_s: float = 0.010, max_samples: int = 8192) -> None:
         self.period_s = period_s
         self.series = SampleBuffer(max_samples)
+        self.run_queue = SampleBuffer(max_samples)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = 0
@@ -81,7 +84,9 @@ class GilPressureSampler:
             if run_queue:
                 # The OS's part of the delay (waiting for a CPU after the timer fired) is this thread's
                 # run-queue time; what remains is the wait for the GIL.
-                lag_ns -= run_queue() - rq0
+                rq_ns = run_queue() - rq0
+                lag_ns -= rq_ns
+                self.run_queue.add(max(0.0, rq_ns / 1e6))
             self.series.add(max(0.0, lag_ns / 1e6))
 
     def stop(self) -> None:

@@ -59,8 +59,9 @@ class ExporterCore:
         self.settings = settings
         self.outputs = outputs
         self.metrics = outputs.metrics
-        self.series = {sig.GIL_SERIES: sig.LagSeries(), sig.LOOP_SERIES: sig.LagSeries()}
+        self.series = {name: sig.LagSeries() for name in (sig.GIL_SERIES, sig.RUN_QUEUE_SERIES, sig.LOOP_SERIES)}
         self.loop_blocks = sig.LoopBlockSeries()
+        self._gil_wait_bound_ms = None if settings.gil_wait_bound_s is None else settings.gil_wait_bound_s * 1e3
         self.decisions = RecentDecisions()
         self.batches = PendingBatches(self.decisions, settings.batch_keep_wait_s, settings.max_pending_batches)
         self._new_span_id = random.Random().getrandbits  # ids for spans the exporter adds (link chunks)
@@ -134,7 +135,7 @@ class ExporterCore:
         trace_id, offset, root = t.trace_id, t.offset, t.root
         stages = t.stages
         for st in stages:
-            sig.resolve_cpu(st)
+            sig.resolve_cpu(st, self._gil_wait_bound_ms)
         foreign, others = split_foreign_stages(t.others, offset)
         if foreign:
             link_enclosing_stages([*stages, *(st for st, _ in foreign)], [*others, *(span for _, span in foreign)])
@@ -208,7 +209,7 @@ class ExporterCore:
             self.decisions.remember(trace_id, kept=False)
             return
         for st in t.stages:
-            sig.resolve_cpu(st)
+            sig.resolve_cpu(st, self._gil_wait_bound_ms)
         out = [sp.stage_span(st, trace_id, t.offset, t.flags, t.state) for st in t.stages]
         out.extend(t.others)
         out.extend(sp.batch_spans(root, self._new_span_id_nonzero))
@@ -262,13 +263,13 @@ class ExporterCore:
         self, start_ns: int, end_ns: int, gpu_utilization: float | None, blocked_by: tuple[str, ...] = ()
     ) -> TraceSignals:
         s = self.settings
-        gil = self.series[sig.GIL_SERIES]
+        gil, run_queue = self.series[sig.GIL_SERIES], self.series[sig.RUN_QUEUE_SERIES]
         loop = self.series[sig.LOOP_SERIES]
+        period_s = s.gil_sampler_period_s or 0.01
         return TraceSignals(
             gpu_utilization=gpu_utilization if isinstance(gpu_utilization, (int, float)) else None,
-            gil_pressure_ms=sig.gil_pressure_ms(gil, start_ns, end_ns, s.gil_sampler_period_s or 0.01)
-            if len(gil)
-            else None,
+            gil_pressure_ms=sig.sampler_mean_ms(gil, start_ns, end_ns, period_s) if len(gil) else None,
+            cpu_pressure_ms=sig.sampler_mean_ms(run_queue, start_ns, end_ns, period_s) if len(run_queue) else None,
             loop_lag_ms=sig.max_loop_lag_ms(loop, start_ns, end_ns) if len(loop) else None,
             blocked_by=blocked_by,
         )
@@ -282,7 +283,7 @@ class ExporterCore:
         if not isinstance(trace_id, int) or not isinstance(offset, int) or not isinstance(flags, int):
             raise MalformedRecord("malformed stage header")
         self.handled += 1
-        sig.resolve_cpu(st)
+        sig.resolve_cpu(st, self._gil_wait_bound_ms)
         # Started after its trace's root ended here (the trace was decided): work after the response.
         late = late or self.decisions.known(trace_id) is not None
         ms = st.gpu_ms if st.kind in c.GPU_KINDS and st.gpu_ms is not None else st.wall_ms

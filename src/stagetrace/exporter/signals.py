@@ -15,25 +15,35 @@ from stagetrace.analysis.loopwait import LoopBlock
 from stagetrace.settings import GIL_MIN_SAMPLES, MIN_CPU_ACCOUNTED_NS
 
 GIL_SERIES = "gil"
+RUN_QUEUE_SERIES = "runqueue"  # the GIL sampler's run-queue wait per wake-up
 LOOP_SERIES = "loop"
 
 
-def resolve_cpu(stage: Any) -> None:
+# A woken thread is off-CPU a little past its timer (timer slack, the wake-up path): the margin added to the
+# GIL's switch interval before an off-CPU stretch counts as longer than any wait for the GIL.
+GIL_WAIT_MARGIN_MS = 0.5
+
+
+def resolve_cpu(stage: Any, gil_wait_bound_ms: float | None = None) -> None:
     """Turn a stage's two raw readings (schedstat bytes, or thread CPU ns) into cpu_ms / runqueue_ms /
-    blocked_ms. Only stages of at least 1 ms: below that the split is scheduler noise, no rule looks at it,
-    and each attribute costs encoding on every span."""
+    blocked_ms, and not_gil_ms where schedstat counts slices and ``gil_wait_bound_ms`` is known. Only stages
+    of at least 1 ms: below that the split is scheduler noise, no rule looks at it, and each attribute costs
+    encoding on every span."""
     start, end = stage.cpu_start, stage.cpu_end
     if start is None or end is None or stage.end_ns - stage.start_ns < MIN_CPU_ACCOUNTED_NS:
         return
     if isinstance(start, int) != isinstance(end, int):
         return  # readings of two kinds (the name's history changed in between): no comparable pair
     wall_ms = stage.wall_ms
+    slices = None
     if isinstance(start, bytes):
         try:
-            s_cpu, s_rq = start.split()[:2]
-            e_cpu, e_rq = end.split()[:2]
+            s_cpu, s_rq, *s_rest = start.split()
+            e_cpu, e_rq, *e_rest = end.split()
             cpu_ms = (int(e_cpu) - int(s_cpu)) / 1e6
             rq_ms = (int(e_rq) - int(s_rq)) / 1e6
+            if s_rest and e_rest:
+                slices = int(e_rest[0]) - int(s_rest[0])
         except (ValueError, AttributeError):
             return
         stage.runqueue_ms = round(max(0.0, rq_ms), 3)
@@ -43,6 +53,27 @@ def resolve_cpu(stage: Any) -> None:
         return
     stage.cpu_ms = round(max(0.0, cpu_ms), 3)
     stage.blocked_ms = round(max(0.0, wall_ms - cpu_ms - rq_ms), 3)
+    if slices is not None and gil_wait_bound_ms is not None:
+        stage.not_gil_ms = round(not_gil_ms(stage.blocked_ms, slices, gil_wait_bound_ms), 3)
+
+
+def not_gil_ms(blocked_ms: float, slices: int, gil_wait_bound_ms: float) -> float:
+    """The least of ``blocked_ms`` that cannot have been a wait for the GIL.
+
+    A thread waiting for the GIL sleeps at most ``gil_wait_bound_ms`` at a stretch (the switch interval:
+    ``_compat.gil_wait_stretch_bound_s``), and every stretch off the CPU ends with the thread scheduled in
+    again, which schedstat counts (``slices``, at least one per stretch). So if the blocked time exceeds
+    ``slices`` such stretches, one stretch at least was a wait of another kind (a lock, I/O, a sleep), and at
+    most ``slices - 1`` were GIL waits: everything beyond those is not the GIL. A proof from the stage's own
+    readings, however few wake-ups the GIL-pressure sampler took in its window; 0 when the readings are
+    consistent with GIL waits alone. Where there is no GIL (``gil_wait_bound_ms`` 0), none of it was.
+    """
+    if gil_wait_bound_ms <= 0:
+        return blocked_ms
+    interval = gil_wait_bound_ms + GIL_WAIT_MARGIN_MS
+    if slices < 1 or blocked_ms <= slices * interval:
+        return 0.0
+    return blocked_ms - (slices - 1) * interval
 
 
 class LagSeries:
@@ -86,19 +117,29 @@ class LagSeries:
         return self._values[lo:hi]
 
 
-def gil_pressure_ms(
+def sampler_mean_ms(
     series: LagSeries, start_ns: int, end_ns: int, period_s: float, min_samples: int = GIL_MIN_SAMPLES
 ) -> float | None:
-    """Mean sampler wake-up lag within the trace's own window, or None (not measured) with fewer than
-    ``min_samples`` wake-ups in it.
+    """Mean of the GIL sampler's wake-ups (their GIL wait, or their run-queue wait) within the trace's own
+    window, or None (not measured) with fewer than ``min_samples`` wake-ups in it, unless those few waited
+    ``min_samples`` periods or more between them.
 
     A woken sampler either gets the GIL at once (~0.1 ms) or waits out a holder's switch interval (5 ms), so
     a few wake-ups already tell contention from a free GIL; one or two do not, and then the verdict does not
     guess between GIL contention and a lock wait. Only the request's own window counts: a look-back before
     it read a neighbour's load (a server's start-up, another request's burst) as this request's contention.
     """
-    lags = series.window(start_ns, end_ns + int(period_s * 1e9))
-    return round(statistics.fmean(lags), 3) if len(lags) >= min_samples else None
+    times, values = series.times, series.values
+    lo = bisect.bisect_left(times, start_ns)
+    hi = bisect.bisect_right(times, end_ns + int(period_s * 1e9))
+    # Later wake-ups whose wait began inside the window are the request's too: a sampler held back for long
+    # (the GIL or the CPUs taken for the whole request) reports only once it gets through.
+    while hi < len(times) and times[hi] - values[hi] * 1e6 <= end_ns:
+        hi += 1
+    lags = values[lo:hi]
+    # Few wake-ups that waited long are a measurement too: a free GIL cannot hold a sampler back for periods.
+    measured = len(lags) >= min_samples or (lags and sum(lags) >= min_samples * period_s * 1e3)
+    return round(statistics.fmean(lags), 3) if measured else None
 
 
 def max_loop_lag_ms(series: LagSeries, start_ns: int, end_ns: int) -> float | None:

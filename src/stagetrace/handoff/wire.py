@@ -64,11 +64,15 @@ pack_stage = attrgetter(*STAGE_FIELDS)
 """A capture record (or anything with these attributes) as its wire tuple."""
 
 
+# What the exporter derives from a stage's raw CPU readings (``exporter.signals.resolve_cpu``).
+DERIVED_STAGE_FIELDS = ("cpu_ms", "runqueue_ms", "blocked_ms", "not_gil_ms")
+
+
 class ShippedStage:
     """A stage as the exporter sees it: the wire fields by name, plus what the exporter derives from them
     (CPU figures from the raw clock readings). The analysis reads stages by these field names."""
 
-    __slots__ = (*STAGE_FIELDS, "blocked_ms", "cpu_ms", "runqueue_ms")
+    __slots__ = (*STAGE_FIELDS, *DERIVED_STAGE_FIELDS)
     # the STAGE_FIELDS, typed (tests/test_tables.py checks that the two lists agree)
     name: str
     kind: str
@@ -98,8 +102,9 @@ class ShippedStage:
             raise ValueError("a stage record needs a str name and int times")
         self.batch = batch_info(self.batch)
         self.cpu_ms: float | None = None
-        self.blocked_ms: float | None = None
         self.runqueue_ms: float | None = None
+        self.blocked_ms: float | None = None
+        self.not_gil_ms: float | None = None
 
     @property
     def wall_ms(self) -> float:

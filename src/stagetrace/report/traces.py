@@ -129,6 +129,7 @@ def verdict_for_trace(
     signals = TraceSignals(
         gpu_utilization=_float(root.attributes.get(c.GPU_UTILIZATION)),
         gil_pressure_ms=_float(root.attributes.get(c.GIL_PRESSURE_MS)),
+        cpu_pressure_ms=_float(root.attributes.get(c.CPU_PRESSURE_MS)),
         loop_lag_ms=_float(root.attributes.get(c.LOOP_LAG_MS)),
     )
     route = root.attributes.get(c.HTTP_ROUTE)
