@@ -1,13 +1,15 @@
 """How often each diagnosis rule names the right cause, and how often a wrong one fires.
 
-    python benchmarks/diagnosis_accuracy.py [--runs 20] [--only NAME ...]
+    python benchmarks/diagnosis_accuracy.py [--runs 20] [--only NAME ...] [--explain]
 
 Runs every scenario of the corpus in ``tests/scenarios/`` (one app per rule whose requests live its cause,
 and a healthy twin of the same shape without it) ``--runs`` times against a real uvicorn on 127.0.0.1, with
 clients in another process, and prints per scenario: the requests that lived the cause, the share of them
-on which the rule fired ("right"), and the share of all requests on which a code fired that the scenario
-does not call for ("wrong", with the codes). Target: right 100 %, wrong 0 %. Scenarios that need a CUDA
-device and NVML are reported as skipped without one.
+on which the rule fired ("right"), the share on which the verdict said what it measured but declined to name
+a cause it could not tell from another ("undetermined": OFF_CPU_WAIT in the GIL and lock scenarios), and the
+share of all requests on which a code fired that the scenario does not call for ("wrong", with the codes).
+Target: right 100 %, wrong 0 %. ``--explain`` prints every verdict that missed or misread, with its stages'
+CPU figures. Scenarios that need a CUDA device and NVML are reported as skipped without one.
 """
 
 from __future__ import annotations
@@ -17,12 +19,17 @@ import os
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from opentelemetry.trace import format_trace_id
+
 import stagetrace
 from scenarios import SCENARIOS, Outcome, Scenario, run_once
+from stagetrace import conventions as c
 from stagetrace.analysis import Verdict
 
 
@@ -42,9 +49,10 @@ class Collector:
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
         self.verdicts: list[Verdict] = []
+        self.spans = InMemorySpanExporter()
         self.handle = stagetrace.configure(
             "diagnosis-accuracy",
-            span_exporter=InMemorySpanExporter(),
+            span_exporter=self.spans,
             set_global=False,
             on_verdict=self.verdicts.append,
         )
@@ -57,21 +65,44 @@ class Collector:
         return list(self.verdicts)
 
 
-def run_scenario(scenario: Scenario, runs: int) -> list[Outcome]:
-    outcomes = []
+def run_scenario(scenario: Scenario, runs: int) -> tuple[list[Outcome], list[str]]:
+    """The outcomes, and an explanation of every misread verdict."""
+    outcomes, explained = [], []
     for _ in range(runs):
         collector = Collector()
         try:
-            outcomes.append(run_once(scenario, collector.wait))
+            outcome = run_once(scenario, collector.wait)
+            outcomes.append(outcome)
+            explained += [explain(v, collector.spans.get_finished_spans()) for v in outcome.misread]
         finally:
             collector.handle.shutdown()
-    return outcomes
+    return outcomes, explained
+
+
+CPU_FIGURES = (("cpu", c.CPU_MS), ("run queue", c.RUNQUEUE_MS), ("blocked", c.BLOCKED_MS), ("not GIL", c.NOT_GIL_MS))
+
+
+def explain(v: Verdict, spans: Sequence[Any]) -> str:
+    """One misread verdict: its breakdown, the signals the rules read, its stages' CPU figures."""
+    stages = ", ".join(f"{name} {ms:.1f}" for name, ms in v.breakdown.items())
+    lines = [
+        f"    {v.trace_id[:8]} {v.total_ms:.1f} ms [{stages}] untracked {v.untracked_ms:.1f} "
+        f"GIL pressure {v.gil_pressure_ms} CPU pressure {v.cpu_pressure_ms} loop lag {v.loop_lag_ms}"
+    ]
+    for span in spans:
+        a = span.attributes or {}
+        if format_trace_id(span.context.trace_id) == v.trace_id and c.CPU_MS in a:
+            figures = ", ".join(f"{label} {a[key]}" for label, key in CPU_FIGURES if key in a)
+            lines.append(f"      stage {span.name}: {figures}")
+    lines += [f"      {d.code}: {d.message}" for d in v.diagnoses] or ["      (no diagnosis)"]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--only", nargs="*", default=None, help="scenario names")
+    parser.add_argument("--explain", action="store_true", help="print every verdict that missed or misread")
     args = parser.parse_args(argv)
     os.environ.setdefault("STAGETRACE_HEALTHY_SAMPLE", "1.0")
     gpu = cuda_available()
@@ -79,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         f"diagnosis accuracy: {args.runs} runs of each scenario against uvicorn on 127.0.0.1, "
         f"{os.cpu_count()} CPUs, {'a' if gpu else 'no'} CUDA device"
     )
-    print(f"{'scenario':28} {'rule':20} {'requests':>8} {'lived':>6} {'right':>7} {'wrong':>7}  wrong codes")
+    print(
+        f"{'scenario':28} {'rule':20} {'requests':>8} {'lived':>6} {'right':>7} {'undeterm.':>9} {'wrong':>7}  "
+        "wrong codes"
+    )
     all_ok = True
     for scenario in SCENARIOS:
         if args.only and scenario.name not in args.only:
@@ -88,18 +122,21 @@ def main(argv: list[str] | None = None) -> int:
         if scenario.needs_gpu and not gpu:
             print(f"{scenario.name:28} {rule:20} {'skipped: needs a CUDA device and NVML':>40}")
             continue
-        outcomes = run_scenario(scenario, args.runs)
+        outcomes, explained = run_scenario(scenario, args.runs)
         requests = sum(o.verdicts for o in outcomes)
         lived = sum(o.lived for o in outcomes)
         right = sum(o.right for o in outcomes)
+        undetermined = sum(o.undetermined for o in outcomes)
         wrong = sum(o.wrong for o in outcomes)
         codes = Counter(code for o in outcomes for code in o.wrong_codes)
-        right_text = f"{right / lived:7.1%}" if lived else "      -"
+        right_text = f"{right / lived:7.1%} {undetermined / lived:9.1%}" if lived else f"{'-':>7} {'-':>9}"
         print(
             f"{scenario.name:28} {rule:20} {requests:8d} {lived:6d} {right_text} {wrong / requests:7.1%}  "
             + ", ".join(f"{code} ({n} runs)" for code, n in codes.most_common())
         )
         all_ok = all_ok and wrong == 0 and (right == lived)
+        if args.explain and explained:
+            print("\n".join(explained))
     print("target: right 100 %, wrong 0 %:", "met" if all_ok else "NOT met")
     return 0
 

@@ -116,13 +116,15 @@ def loop_blocked(*, blocking: bool) -> Workload:
 # --- GIL_CONTENTION / LOCK_OR_IO_WAIT -----------------------------------------------------------------------
 
 
-def gil_contended(*, hog: bool) -> Workload:
+def gil_contended(*, hogs: int) -> Workload:
+    """Each request's pure-Python stage shares the GIL with ``hogs`` threads spinning in Python, long enough
+    (20 switch intervals) that its share of the GIL is not the luck of a few handoffs."""
     app = fastapi_app()
 
     @app.get("/tokenize")
     def tokenize() -> dict[str, int]:
         with stagetrace.stage("tokenize"):
-            busy(60)  # pure Python: needs the GIL throughout
+            busy(100)  # pure Python: needs the GIL throughout
         return {}
 
     def spin(stop: threading.Event) -> None:
@@ -130,7 +132,14 @@ def gil_contended(*, hog: bool) -> Workload:
         while not stop.is_set():
             x += 1
 
-    return Workload(app, "/tokenize", background_thread(spin) if hog else contextlib.nullcontext)
+    @contextlib.contextmanager
+    def running() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for _ in range(hogs):
+                stack.enter_context(background_thread(spin)())
+            yield
+
+    return Workload(app, "/tokenize", running)
 
 
 def lock_waited(*, held: bool) -> Workload:
@@ -152,10 +161,17 @@ def lock_waited(*, held: bool) -> Workload:
     return Workload(app, "/lookup", background_thread(holder) if held else contextlib.nullcontext)
 
 
+def waited_for_the_lock(v: Verdict) -> bool:
+    return v.breakdown.get("cache_lookup", 0.0) >= 10.0  # 1 ms of work: 9 ms or more behind the holder
+
+
 # --- CPU_OVERSUBSCRIBED --------------------------------------------------------------------------------------
 
 
-def oversubscribed(*, threads: int) -> Workload:
+def oversubscribed(*, threads: int, background: int) -> Workload:
+    """Requests compress on up to ``threads`` worker threads while ``background`` threads of the process
+    compress all along: with more of them than cores, every request's stage waits for a CPU, not only those
+    of a burst's peak."""
     app = fastapi_app(lifespan=thread_tokens(threads))
 
     @app.get("/compress")
@@ -163,7 +179,18 @@ def oversubscribed(*, threads: int) -> Workload:
         with stagetrace.stage("compress"):
             return {"n": compress(30)}  # releases the GIL: as many run at once as there are threads
 
-    return Workload(app, "/compress")
+    def compressing(stop: threading.Event) -> None:
+        while not stop.is_set():
+            compress(5)
+
+    @contextlib.contextmanager
+    def running() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for _ in range(background):
+                stack.enter_context(background_thread(compressing)())
+            yield
+
+    return Workload(app, "/compress", running)
 
 
 # --- QUEUEING --------------------------------------------------------------------------------------------------
@@ -310,18 +337,19 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     *twins(
         "GIL_CONTENTION",
-        ("gil-contended", lambda: gil_contended(hog=True), 8, 1),
-        ("gil-free", lambda: gil_contended(hog=False), 8, 1),
+        ("gil-contended", lambda: gil_contended(hogs=1), 8, 1),
+        ("gil-free", lambda: gil_contended(hogs=0), 8, 1),
     ),
     *twins(
         "LOCK_OR_IO_WAIT",
         ("lock-waited", lambda: lock_waited(held=True), 10, 2),
         ("lock-free", lambda: lock_waited(held=False), 10, 2),
+        lived=waited_for_the_lock,
     ),
     *twins(
         "CPU_OVERSUBSCRIBED",
-        ("cpu-oversubscribed", lambda: oversubscribed(threads=8), 16, 8),
-        ("cpu-within-cores", lambda: oversubscribed(threads=1), 8, 1),
+        ("cpu-oversubscribed", lambda: oversubscribed(threads=8, background=3), 16, 8),
+        ("cpu-within-cores", lambda: oversubscribed(threads=1, background=0), 8, 1),
     ),
     *twins(
         "QUEUEING",

@@ -11,6 +11,7 @@ import stagetrace
 from scenarios.corpus import Scenario
 from servers import hit, serve
 from stagetrace.analysis import Verdict
+from stagetrace.analysis.diagnosis import UNDETERMINED_BETWEEN
 
 
 @dataclass(frozen=True)
@@ -21,36 +22,47 @@ class Outcome:
     lived: int  # requests that lived the scenario's cause
     right: int  # of those, how many carry the scenario's rule
     wrong: int  # requests carrying a code other than the rule and the scenario's allowed ones
+    undetermined: int  # of the lived ones without the rule, those whose verdict declined to name a cause
     wrong_codes: tuple[str, ...]
     twin_fired: int  # on a healthy twin: requests carrying the rule whose cause it removed
+    misread: tuple[Verdict, ...] = ()  # the verdicts that missed the rule or carried a wrong code
 
 
 def judge(scenario: Scenario, verdicts: Sequence[Verdict]) -> Outcome:
+    """A code that declines to name a cause (``UNDETERMINED_BETWEEN``) is not wrong where the scenario's rule is
+    one of the causes it could not tell apart: it counts as undetermined, neither right nor wrong."""
     expected = {scenario.rule} if scenario.rule else set()
-    ok = expected | scenario.allowed
+    declined = {code for code, causes in UNDETERMINED_BETWEEN.items() if scenario.rule in causes}
+    ok = expected | scenario.allowed | declined
     lived = [v for v in verdicts if scenario.rule and scenario.lived(v)]
     wrong = [v for v in verdicts if set(v.diagnosis_codes) - ok]
+    missed = [v for v in lived if scenario.rule not in v.diagnosis_codes]
     return Outcome(
         verdicts=len(verdicts),
         lived=len(lived),
         right=sum(1 for v in lived if scenario.rule in v.diagnosis_codes),
         wrong=len(wrong),
+        undetermined=sum(1 for v in missed if declined & set(v.diagnosis_codes)),
         wrong_codes=tuple(sorted({code for v in wrong for code in v.diagnosis_codes} - ok)),
         twin_fired=sum(1 for v in verdicts if scenario.twin_of in v.diagnosis_codes),
+        misread=(*missed, *(v for v in wrong if all(v is not m for m in missed))),
     )
 
 
 def run_once(scenario: Scenario, verdicts: Callable[[int], list[Verdict]]) -> Outcome:
-    """``verdicts(n)``: waits for and returns the configured stagetrace's first ``n`` verdicts of this run
-    (the caller configured it; the test suite's harness, or the benchmark's own)."""
+    """``verdicts(n)``: waits for and returns the configured stagetrace's first ``n`` verdicts of this run, in
+    the order they came (the caller configured it; the test suite's harness, or the benchmark's own)."""
     gc.collect()  # a full collection during a run is a real stall: start each from a collected heap
     workload = scenario.build()
     stagetrace.instrument_fastapi(workload.app)
     with workload.running(), serve(workload.app) as base:
+        # A fresh server's first request pays its lazy set-up (in no stage); the scenarios judge a warm one.
+        if hit(base, workload.path, 1, 1) != [200] or len(verdicts(1)) != 1:
+            raise RuntimeError(f"{scenario.name}: the warm-up request failed")
         statuses = hit(base, workload.path, scenario.requests, scenario.concurrency)
     if statuses != [200] * scenario.requests:
         raise RuntimeError(f"{scenario.name}: statuses {statuses}")
-    got = [v for v in verdicts(scenario.requests) if v.route == workload.path]
+    got = [v for v in verdicts(1 + scenario.requests)[1:] if v.route == workload.path]
     if len(got) != scenario.requests:
         raise RuntimeError(f"{scenario.name}: {len(got)} verdicts for {scenario.requests} requests")
     return judge(scenario, got)
