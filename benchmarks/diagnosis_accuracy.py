@@ -17,20 +17,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from opentelemetry.trace import format_trace_id
 
 import stagetrace
 from scenarios import SCENARIOS, Outcome, Scenario, run_once
 from stagetrace import conventions as c
 from stagetrace.analysis import Verdict
+from stagetrace.report.loader import Span, read_traces
 
 
 def cuda_available() -> bool:
@@ -43,18 +42,16 @@ def cuda_available() -> bool:
 
 
 class Collector:
-    """A configured stagetrace whose verdicts are kept for the run in progress."""
+    """A configured stagetrace whose verdicts are kept for the run in progress. Spans leave the application as
+    a deployed service's do: the exporter process writes them (here to a scratch JSON lines file, read back
+    only to explain a misread verdict), so the server under test spends none of its GIL building spans for
+    an in-process exporter."""
 
-    def __init__(self) -> None:
-        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
+    def __init__(self, traces_path: Path) -> None:
         self.verdicts: list[Verdict] = []
-        self.spans = InMemorySpanExporter()
+        self.traces_path = traces_path
         self.handle = stagetrace.configure(
-            "diagnosis-accuracy",
-            span_exporter=self.spans,
-            set_global=False,
-            on_verdict=self.verdicts.append,
+            "diagnosis-accuracy", traces_path=traces_path, set_global=False, on_verdict=self.verdicts.append
         )
 
     def wait(self, n: int, timeout_s: float = 30.0) -> list[Verdict]:
@@ -64,25 +61,34 @@ class Collector:
             time.sleep(0.01)
         return list(self.verdicts)
 
+    def spans(self) -> list[Span]:
+        """The run's exported spans (after ``handle.shutdown()``)."""
+        out: list[Span] = []
+        read_traces([self.traces_path], out.extend, errors=sys.stderr)
+        return out
+
 
 def run_scenario(scenario: Scenario, runs: int) -> tuple[list[Outcome], list[str]]:
     """The outcomes, and an explanation of every misread verdict."""
     outcomes, explained = [], []
     for _ in range(runs):
-        collector = Collector()
-        try:
-            outcome = run_once(scenario, collector.wait)
+        with tempfile.TemporaryDirectory(prefix="stagetrace-accuracy-") as scratch:
+            collector = Collector(Path(scratch) / "traces.jsonl")
+            try:
+                outcome = run_once(scenario, collector.wait)
+            finally:
+                collector.handle.shutdown()
             outcomes.append(outcome)
-            explained += [explain(v, collector.spans.get_finished_spans()) for v in outcome.misread]
-        finally:
-            collector.handle.shutdown()
+            if outcome.misread:
+                spans = collector.spans()
+                explained += [explain(v, spans) for v in outcome.misread]
     return outcomes, explained
 
 
 CPU_FIGURES = (("cpu", c.CPU_MS), ("run queue", c.RUNQUEUE_MS), ("blocked", c.BLOCKED_MS), ("not GIL", c.NOT_GIL_MS))
 
 
-def explain(v: Verdict, spans: Sequence[Any]) -> str:
+def explain(v: Verdict, spans: Sequence[Span]) -> str:
     """One misread verdict: its breakdown, the signals the rules read, its stages' CPU figures."""
     stages = ", ".join(f"{name} {ms:.1f}" for name, ms in v.breakdown.items())
     lines = [
@@ -90,9 +96,10 @@ def explain(v: Verdict, spans: Sequence[Any]) -> str:
         f"GIL pressure {v.gil_pressure_ms} CPU pressure {v.cpu_pressure_ms} loop lag {v.loop_lag_ms}"
     ]
     for span in spans:
-        a = span.attributes or {}
-        if format_trace_id(span.context.trace_id) == v.trace_id and c.CPU_MS in a:
-            figures = ", ".join(f"{label} {a[key]}" for label, key in CPU_FIGURES if key in a)
+        if span.trace_id == v.trace_id and c.CPU_MS in span.attributes:
+            figures = ", ".join(
+                f"{label} {span.attributes[key]}" for label, key in CPU_FIGURES if key in span.attributes
+            )
             lines.append(f"      stage {span.name}: {figures}")
     lines += [f"      {d.code}: {d.message}" for d in v.diagnoses] or ["      (no diagnosis)"]
     return "\n".join(lines)

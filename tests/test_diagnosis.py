@@ -217,15 +217,15 @@ BOUNDARIES = [
     (
         "GIL_CONTENTION",
         [cpu("t", 0, 50, blocked_ms=40)],
-        TraceSignals(gil_pressure_ms=1.49),
+        TraceSignals(gil_pressure_ms=0.99),
         [cpu("t", 0, 50, blocked_ms=40)],
-        TraceSignals(gil_pressure_ms=1.5),
+        TraceSignals(gil_pressure_ms=1.0),
     ),
     (
-        "LOCK_OR_IO_WAIT",  # blocked at least 30 % of the stage and 5 ms
-        [cpu("t", 0, 50, blocked_ms=14.9)],
+        "LOCK_OR_IO_WAIT",  # blocked at least 25 % of the stage and 5 ms
+        [cpu("t", 0, 50, blocked_ms=12.49)],
         TraceSignals(gil_pressure_ms=0.1),
-        [cpu("t", 0, 50, blocked_ms=15.0)],
+        [cpu("t", 0, 50, blocked_ms=12.5)],
         TraceSignals(gil_pressure_ms=0.1),
     ),
     (

@@ -3,6 +3,10 @@ lag a request reports is the stall it lived through, not a neighbour's."""
 
 from __future__ import annotations
 
+import os
+import sys
+import time
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -129,3 +133,65 @@ def test_resolve_cpu_reads_the_slice_count_from_schedstat():
     two_fields = stage(b"1000000000 2000000000\n", b"1005000000 2005000000\n")
     resolve_cpu(two_fields, 5.0)
     assert two_fields.blocked_ms == 40.0 and two_fields.not_gil_ms is None
+
+
+# --- how much of a loop stall work on the loop's own thread explains -------------------------------------
+
+
+def _schedstat(cpu_ms: float, rq_ms: float, slices: int) -> bytes:
+    return f"{int(cpu_ms * 1e6)} {int(rq_ms * 1e6)} {slices}\n".encode()
+
+
+def test_a_stall_the_loop_thread_spent_running_or_in_a_blocking_call_is_held_by_work_on_it():
+    from stagetrace.exporter.signals import loop_held_ms
+
+    start = _schedstat(0, 0, 10)
+    # 50 ms sleep asked, 130 ms elapsed: 10 ms idle, then 120 ms of CPU on the loop thread. A lower bound: how
+    # long the loop idled is not known, so the whole interval is taken off the 120 ms
+    assert loop_held_ms(80.0, 130.0, 50.0, start, _schedstat(120, 0, 12), 5.0) == 70.0
+    # 10 ms idle, then a 120 ms blocking call: 129 ms off the CPU in 3 stretches, at most 2 of them GIL waits
+    assert loop_held_ms(80.0, 130.0, 50.0, start, _schedstat(1, 0, 13), 5.0) == pytest.approx(1 + 129 - 11 - 50)
+
+
+def test_a_stall_the_loop_thread_spent_waiting_for_the_gil_or_a_cpu_is_not():
+    from stagetrace.exporter.signals import loop_held_ms
+
+    start = _schedstat(0, 0, 10)
+    # 40 ms idle (one stretch), then 90 ms of GIL waits of a few ms each (30 stretches), 5 ms of CPU
+    assert loop_held_ms(80.0, 135.0, 50.0, start, _schedstat(5, 0, 41), 5.0) == 0.0
+    # 20 ms idle, then 100 ms in the run queue
+    assert loop_held_ms(70.0, 125.0, 50.0, start, _schedstat(5, 100, 13), 5.0) == 0.0
+    # not measurable: no slice counts, or no known GIL bound
+    assert loop_held_ms(80.0, 130.0, 50.0, b"0 0\n", b"120000000 0\n", 5.0) is None
+    assert loop_held_ms(80.0, 130.0, 50.0, start, _schedstat(120, 0, 12), None) is None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="needs Linux schedstat")
+def test_the_loop_monitor_tells_work_on_the_loop_from_an_idle_loop():
+    """On a real event loop: CPU work and a blocking call on the loop's thread hold the loop; an idle loop
+    lags by no more than its timer."""
+    import asyncio
+
+    from stagetrace.capture.samplers import LoopLagMonitor
+
+    def spin(ms: float) -> None:
+        end = time.perf_counter() + ms / 1000
+        while time.perf_counter() < end:
+            pass
+
+    async def scenario(monitor: LoopLagMonitor, block) -> float:
+        monitor.ensure_running()
+        await asyncio.sleep(0.12)  # a couple of quiet wake-ups
+        block()
+        await asyncio.sleep(0.12)  # the wake-up that reports the stall
+        held = [v for _, v in monitor.held.drain()]
+        for task in list(monitor._tasks):
+            task.cancel()
+        return max(held)
+
+    sleep_ms = lambda ms: time.sleep(ms / 1000)  # noqa: E731
+    for block in (lambda: spin(150), lambda: sleep_ms(150)):
+        monitor = LoopLagMonitor(0.05, gil_wait_bound_s=sys.getswitchinterval())
+        assert asyncio.run(scenario(monitor, block)) >= 50.0
+    idle = LoopLagMonitor(0.05, gil_wait_bound_s=sys.getswitchinterval())
+    assert asyncio.run(scenario(idle, lambda: None)) < 10.0

@@ -54,6 +54,7 @@ DIAGNOSIS = "stagetrace.diagnosis"
 GIL_PRESSURE_MS = "stagetrace.gil.pressure_ms"
 CPU_PRESSURE_MS = "stagetrace.cpu.pressure_ms"  # mean run-queue wait of the GIL sampler's wake-ups
 LOOP_LAG_MS = "stagetrace.loop.lag_ms"
+LOOP_HELD_MS = "stagetrace.loop.held_ms"  # the part of the worst stall that work on the loop's thread explains
 
 # --- span events -----------------------------------------------------------------------------------------
 DIAGNOSIS_EVENT = "stagetrace.diagnosis"
@@ -107,6 +108,7 @@ VERDICT_FIELDS: tuple[tuple[str, str, type, int | None], ...] = (
     ("gil_pressure_ms", GIL_PRESSURE_MS, float, None),
     ("cpu_pressure_ms", CPU_PRESSURE_MS, float, None),
     ("loop_lag_ms", LOOP_LAG_MS, float, None),
+    ("loop_held_ms", LOOP_HELD_MS, float, None),
     ("blocked_by", BLOCKED_BY, tuple, None),
     ("delayed_requests", DELAYED_REQUESTS, int, None),
 )

@@ -19,7 +19,7 @@ from stagetrace.conventions import INSTRUMENTATION_NAME
 from stagetrace.exporter.core import ExporterCore
 from stagetrace.exporter.metrics import MetricsRecorder, MetricsSink, StagetraceMetrics
 from stagetrace.exporter.outputs import LocalOutputs, NoMetrics, SpanForwarder
-from stagetrace.exporter.signals import GIL_SERIES, LOOP_SERIES, RUN_QUEUE_SERIES
+from stagetrace.exporter.signals import GIL_SERIES, LOOP_HELD_SERIES, LOOP_SERIES, RUN_QUEUE_SERIES
 from stagetrace.handoff.processor import StagetraceSpanProcessor
 from stagetrace.handoff.shipper import Shipper, Transport
 from stagetrace.handoff.transport import InlineTransport, ProcessTransport
@@ -63,8 +63,8 @@ class Runtime:
         )
         self.exporter_config = exporter_config
         self.gil_sampler = GilPressureSampler(settings.gil_sampler_period_s) if settings.gil_sampler_period_s else None
-        self.loop_monitor = LoopLagMonitor(settings.loop_lag_interval_s)
-        sources: dict[str, Any] = {LOOP_SERIES: self.loop_monitor.series}
+        self.loop_monitor = LoopLagMonitor(settings.loop_lag_interval_s, gil_wait_bound_s=settings.gil_wait_bound_s)
+        sources: dict[str, Any] = {LOOP_SERIES: self.loop_monitor.series, LOOP_HELD_SERIES: self.loop_monitor.held}
         if self.gil_sampler is not None:
             sources[GIL_SERIES] = self.gil_sampler.series
             sources[RUN_QUEUE_SERIES] = self.gil_sampler.run_queue

@@ -29,24 +29,24 @@ class DiagnosisThresholds:
     gpu_starved_utilization: float = 0.30
     gpu_starved_cpu_share: float = 0.50
     pageable_min_bytes: int = 64 * 1024
-    blocked_share: float = 0.30  # of a CPU stage's wall time
+    blocked_share: float = 0.25  # of a CPU stage's wall time
     blocked_min_ms: float = 5.0  # and at least this much: a few ms lost to other threads is normal
     # Sampler wake-up lag (mean over the request): from gil_pressure_ms the GIL was contended. Below gil_free_ms it
     # was free, which names a lock wait only where the platform gives no scheduler counts (see lock_or_io_wait).
-    gil_pressure_ms: float = 1.5
-    gil_free_ms: float = 1.0
-    # Sampler run-queue wait (mean over the request): from here the host was out of CPUs while it ran.
-    cpu_pressure_ms: float = 2.0
-    # A GIL wait this long (most of a 5 ms switch interval), and far longer than the sampler's wait for a CPU,
-    # means holders running Python through their interval: GIL contention even on a host out of CPUs. Far
-    # longer: gil_over_cpu times, or gil_over_cpu_queued times when the stage queued for a CPU itself. Shorter
-    # GIL waits on such a host are holders preempted by the scheduler.
-    gil_held_ms: float = 3.0
-    gil_over_cpu: float = 2.0
-    gil_over_cpu_queued: float = 4.0
-    # A stage whose run-queue time is this share of its time off the CPU (and this long) met a host out of CPUs.
-    queued_share: float = 0.15
+    gil_pressure_ms: float = 1.0
+    gil_free_ms: float = 0.5
+    # Where the blocked time's cause can be told (``blocked_cause``). A host with CPUs to spare: the stage's
+    # run-queue time under quiet_share of its time off the CPU, and the GIL sampler's wake-ups waiting under
+    # quiet_cpu_pressure_ms for a CPU. A host out of CPUs: the stage's share at least queued_share, or the
+    # sampler's wait at least cpu_pressure_ms. A GIL wait of gil_held_ms (a whole 5 ms switch interval), and
+    # gil_over_cpu times the sampler's wait for a CPU, is holders running Python through their interval.
+    quiet_share: float = 0.10
+    quiet_cpu_pressure_ms: float = 1.0
+    queued_share: float = 0.25
     queued_min_ms: float = 1.0
+    cpu_pressure_ms: float = 2.0
+    gil_held_ms: float = 5.0
+    gil_over_cpu: float = 2.0
     runqueue_share: float = 0.30
     runqueue_min_ms: float = 5.0  # a few ms waiting for a CPU on a busy host is not actionable
     event_loop_stage_ms: float = 20.0
@@ -71,6 +71,7 @@ class TraceSignals:
     gil_pressure_ms: float | None = None
     cpu_pressure_ms: float | None = None  # how long the GIL sampler's wake-ups waited for a CPU (mean)
     loop_lag_ms: float | None = None
+    loop_held_ms: float | None = None  # of the worst loop stall, what work on the loop's own thread explains
     blocked_by: tuple[str, ...] = ()  # the stages that held the loop while the request waited ("<stage>@<trace id>")
 
 
@@ -190,11 +191,12 @@ def _host_out_of_cpus(sig: TraceSignals, th: DiagnosisThresholds) -> bool:
     return sig.cpu_pressure_ms is not None and sig.cpu_pressure_ms >= th.cpu_pressure_ms
 
 
-def _starved(stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds) -> bool:
-    """The process's threads waited for the GIL or for a CPU during the request (the sampler's wake-ups did, or
-    a stage of the request waited for a CPU)."""
-    contended = sig.gil_pressure_ms is not None and sig.gil_pressure_ms >= th.gil_pressure_ms
-    return contended or _host_out_of_cpus(sig, th) or any(_waited_for_cpu(s, th) for s in _cpu_stages(stages, th))
+def _short_of_cpus(stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds) -> bool:
+    """The process's threads waited for CPUs during the request (the sampler's wake-ups did, or a stage's)."""
+    return (sig.cpu_pressure_ms or 0.0) >= th.quiet_cpu_pressure_ms or any(
+        (s.runqueue_ms or 0.0) >= th.queued_min_ms and _queued_share(s) >= th.quiet_share
+        for s in _cpu_stages(stages, th)
+    )
 
 
 def _gil_explainable_ms(s: StageLike) -> float:
@@ -206,16 +208,25 @@ def _gil_explainable_ms(s: StageLike) -> float:
 GIL, LOCK, PREEMPTED_HOLDERS, UNDETERMINED = "gil", "lock", "preempted holders", "undetermined"
 
 
-def _queued_for_cpu(s: StageLike, th: DiagnosisThresholds) -> bool:
-    """The stage's own wake-ups queued for a CPU: a fair share of its time off the CPU was run-queue time."""
+def _queued_share(s: StageLike) -> float:
+    """The share of the stage's time off the CPU that it spent in the run queue."""
     rq = s.runqueue_ms or 0.0
-    return rq >= max(th.queued_min_ms, th.queued_share * (rq + (s.blocked_ms or 0.0)))
+    off_cpu = rq + (s.blocked_ms or 0.0)
+    return rq / off_cpu if off_cpu > 0 else 0.0
+
+
+def _queued_for_cpu(s: StageLike, th: DiagnosisThresholds) -> bool:
+    return (s.runqueue_ms or 0.0) >= th.queued_min_ms and _queued_share(s) >= th.queued_share
+
+
+def _cpus_to_spare(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> bool:
+    return _queued_share(s) < th.quiet_share and (sig.cpu_pressure_ms or 0.0) < th.quiet_cpu_pressure_ms
 
 
 def blocked_cause(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> str | None:
     """None when the stage was not blocked enough to matter; else what its blocked time was.
 
-    With CPUs to spare (the stage's wake-ups did not queue for a CPU, nor did the sampler's):
+    With CPUs to spare (the stage's wake-ups barely queued for a CPU, nor did the sampler's):
 
     - LOCK: its own scheduler counts prove that much of it was in waits longer than any wait for the GIL
       (``not_gil_ms``), or the GIL sampler found the GIL free.
@@ -225,19 +236,21 @@ def blocked_cause(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> s
     on it, and the one made to drop the GIL waits, untimed, for a successor stuck in the run queue:
 
     - PREEMPTED_HOLDERS: waits as short as GIL waits; CPU_OVERSUBSCRIBED's cause and remedy, not GIL
-      contention's. Unless the sampler's GIL waits were most of a switch interval and far longer than its
-      waits for a CPU (holders running Python through their interval): then GIL.
+      contention's. Always when the stage's own wake-ups queued for a CPU (the GIL sampler, a sleeper the
+      scheduler favours, queues less than the threads beside it); when only the sampler's did, unless its
+      GIL waits were a whole switch interval and far longer than its waits for a CPU (holders running
+      Python through their interval): then GIL, as it is on a host a little short of CPUs.
 
-    UNDETERMINED otherwise: GIL pressure not measured or between free and contended, long waits on a host out
-    of CPUs (a lock, or a handoff to a queued thread). Naming a cause there would be a guess.
+    UNDETERMINED otherwise: GIL pressure not measured or between free and contended, long waits on a host
+    short of CPUs (a lock, or the GIL handed to a thread stuck in the run queue), short ones on a host a little
+    short of CPUs. Naming a cause there would be a guess.
     """
     if not _at_least(s.blocked_ms, th.blocked_min_ms, th.blocked_share, s):
         return None
     proven = _at_least(s.not_gil_ms, th.blocked_min_ms, th.blocked_share, s)
     gil_like = _at_least(_gil_explainable_ms(s), th.blocked_min_ms, th.blocked_share, s)
     pressure = sig.gil_pressure_ms
-    queued = _queued_for_cpu(s, th)
-    if not queued and not _host_out_of_cpus(sig, th):
+    if _cpus_to_spare(s, sig, th):
         if proven:
             return LOCK
         if gil_like and pressure is not None and pressure >= th.gil_pressure_ms:
@@ -247,9 +260,14 @@ def blocked_cause(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> s
         return UNDETERMINED
     if proven or not gil_like:
         return UNDETERMINED
-    over = th.gil_over_cpu_queued if queued else th.gil_over_cpu
-    held = pressure is not None and pressure >= th.gil_held_ms and pressure >= over * (sig.cpu_pressure_ms or 0)
-    return GIL if held else PREEMPTED_HOLDERS
+    if _queued_for_cpu(s, th):
+        return PREEMPTED_HOLDERS
+    held = (
+        pressure is not None and pressure >= th.gil_held_ms and pressure >= th.gil_over_cpu * (sig.cpu_pressure_ms or 0)
+    )
+    if held:
+        return GIL
+    return PREEMPTED_HOLDERS if _host_out_of_cpus(sig, th) else UNDETERMINED
 
 
 def _blocked_for(
@@ -303,19 +321,23 @@ def off_cpu_wait(
     if s is None:
         return None
     pressure = sig.gil_pressure_ms
-    if pressure is None:
+    if not _cpus_to_spare(s, sig, th):
+        cpu_wait = f", woken threads {sig.cpu_pressure_ms:.1f} ms" if sig.cpu_pressure_ms is not None else ""
+        why = (
+            f"the host was short of CPUs meanwhile (its own run-queue wait {s.runqueue_ms or 0.0:.1f} ms{cpu_wait}), "
+            "and there a wait can be for a GIL holder the scheduler preempted"
+        )
+    elif pressure is None:
         why = "the request spanned too few GIL-sampler wake-ups to measure GIL pressure"
-    elif pressure >= th.gil_free_ms:
+    else:
         why = (
             f"GIL pressure {pressure:.1f} ms lies between a free GIL (< {th.gil_free_ms:g} ms) and a contended "
             f"one (>= {th.gil_pressure_ms:g} ms)"
         )
-    else:
-        why = "the GIL sampler found the GIL free, but every stretch off the CPU was as short as a GIL wait"
     return _make(
         "OFF_CPU_WAIT",
         f"'{s.name}' was off-CPU {s.blocked_ms:.1f} ms of its {s.wall_ms:.1f} ms, for the GIL or for a lock or "
-        f"I/O: {why}",
+        f"I/O, and the signals cannot tell which: {why}",
         s.name,
     )
 
@@ -372,9 +394,18 @@ def event_loop_blocked(
             f"sync stage '{own.name}' ran {own.wall_ms:.1f} ms on the event-loop thread",
             own.name,
         )
-    # A stall while the process's threads were starved (of the GIL, of CPUs) does not show that work ran on
-    # the loop: its thread may have been waiting like every other. The lag stays on the verdict, unnamed.
-    if sig.loop_lag_ms is not None and sig.loop_lag_ms >= th.event_loop_lag_ms and not _starved(stages, sig, th):
+    # A stall while the loop's thread waited (for the GIL, for a CPU) is the process starving the loop, not work
+    # on it: only the part work on the thread explains counts (loop_held_ms). Where that is not measured, a
+    # stall on a host short of CPUs is not blamed on the loop either. The lag stays on the verdict.
+    if sig.loop_held_ms is not None:
+        if sig.loop_held_ms >= th.event_loop_lag_ms:
+            return _make(
+                "EVENT_LOOP_BLOCKED",
+                f"work on the event-loop thread held the loop {sig.loop_held_ms:.1f} ms during the request"
+                f" (lag {sig.loop_lag_ms or 0.0:.1f} ms)",
+            )
+        return None
+    if sig.loop_lag_ms is not None and sig.loop_lag_ms >= th.event_loop_lag_ms and not _short_of_cpus(stages, sig, th):
         return _make("EVENT_LOOP_BLOCKED", f"event-loop lag reached {sig.loop_lag_ms:.1f} ms during the request")
     return None
 
@@ -486,7 +517,14 @@ def untracked_time(
     share = a.untracked_ms / a.total_ms
     if share < th.untracked_share or a.untracked_ms < th.untracked_min_ms:
         return None
-    return _make("UNTRACKED_TIME", f"{a.untracked_ms:.1f} ms ({share:.0%}) of the request is in no stage")
+    # On a host short of CPUs the server's own code (in no stage) waits for one like the stages do: said, so
+    # that more stages are not the only remedy read into it.
+    starved = (
+        "; the host was short of CPUs meanwhile, and code in no stage waits for one too"
+        if _short_of_cpus(stages, sig, th)
+        else ""
+    )
+    return _make("UNTRACKED_TIME", f"{a.untracked_ms:.1f} ms ({share:.0%}) of the request is in no stage{starved}")
 
 
 RULES: tuple[tuple[str, Rule], ...] = (
@@ -504,7 +542,9 @@ RULES: tuple[tuple[str, Rule], ...] = (
 )
 RULE_CODES = tuple(code for code, _ in RULES)
 # Codes that report a measurement without naming a cause, and the causes they could not tell apart.
-UNDETERMINED_BETWEEN: dict[str, tuple[str, ...]] = {"OFF_CPU_WAIT": ("GIL_CONTENTION", "LOCK_OR_IO_WAIT")}
+UNDETERMINED_BETWEEN: dict[str, tuple[str, ...]] = {
+    "OFF_CPU_WAIT": ("GIL_CONTENTION", "LOCK_OR_IO_WAIT", "CPU_OVERSUBSCRIBED")
+}
 _NEEDS_CPU_SIGNALS = frozenset({"GIL_CONTENTION", "LOCK_OR_IO_WAIT", "OFF_CPU_WAIT", "CPU_OVERSUBSCRIBED"})
 
 

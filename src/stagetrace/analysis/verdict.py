@@ -36,6 +36,7 @@ class Verdict:
     gil_pressure_ms: float | None = None
     cpu_pressure_ms: float | None = None
     loop_lag_ms: float | None = None
+    loop_held_ms: float | None = None
     blocked_by: tuple[str, ...] | None = None  # what held the loop while this request waited for it
     delayed_requests: int | None = None  # other requests on its loop while its own sync stages held it
 
@@ -77,6 +78,7 @@ def build_verdict(
         gil_pressure_ms=signals.gil_pressure_ms if signals else None,
         cpu_pressure_ms=signals.cpu_pressure_ms if signals else None,
         loop_lag_ms=signals.loop_lag_ms if signals else None,
+        loop_held_ms=signals.loop_held_ms if signals else None,
         blocked_by=(signals.blocked_by or None) if signals else None,
         delayed_requests=delayed_requests,
         sampled=sampled,

@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 
 from stagetrace._safety import report_internal_error
 from stagetrace.capture.cpu import CpuSignals
+from stagetrace.exporter.signals import loop_held_ms
 
 _perf_ns = time.perf_counter_ns
 T = TypeVar("T")
@@ -96,9 +97,15 @@ class GilPressureSampler:
 class LoopLagMonitor:
     """One monitor task per event loop, started by the web integrations on the loop's first request."""
 
-    def __init__(self, interval_s: float = 0.050, max_samples: int = 8192) -> None:
+    def __init__(
+        self, interval_s: float = 0.050, max_samples: int = 8192, gil_wait_bound_s: float | None = None
+    ) -> None:
         self.interval_s = interval_s
         self.series = SampleBuffer(max_samples)
+        # Per wake-up, how much of the stall work on the loop's thread explains (``exporter.signals.loop_held_ms``,
+        # from two schedstat reads on that thread, 20 a second): none when the thread was starved instead.
+        self.held = SampleBuffer(max_samples)
+        self._gil_bound_ms = None if gil_wait_bound_s is None else gil_wait_bound_s * 1e3
         self._loops: set[int] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -118,11 +125,19 @@ class LoopLagMonitor:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         interval = self.interval_s
+        cpu = CpuSignals()
+        read = cpu.read if cpu.schedstat and cpu._pread is not None else None
         try:
             while True:
-                t0 = loop.time()
+                t0, before = loop.time(), read() if read else None
                 await asyncio.sleep(interval)
-                self.series.add(max(0.0, (loop.time() - t0 - interval) * 1e3))
+                elapsed_ms = (loop.time() - t0) * 1e3
+                lag_ms = max(0.0, elapsed_ms - interval * 1e3)
+                self.series.add(lag_ms)
+                if read is not None:
+                    held = loop_held_ms(lag_ms, elapsed_ms, interval * 1e3, before, read(), self._gil_bound_ms)
+                    if held is not None:
+                        self.held.add(held)
         except asyncio.CancelledError:
             self._loops.discard(id(loop))
             raise

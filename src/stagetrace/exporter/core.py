@@ -59,7 +59,10 @@ class ExporterCore:
         self.settings = settings
         self.outputs = outputs
         self.metrics = outputs.metrics
-        self.series = {name: sig.LagSeries() for name in (sig.GIL_SERIES, sig.RUN_QUEUE_SERIES, sig.LOOP_SERIES)}
+        self.series = {
+            name: sig.LagSeries()
+            for name in (sig.GIL_SERIES, sig.RUN_QUEUE_SERIES, sig.LOOP_SERIES, sig.LOOP_HELD_SERIES)
+        }
         self.loop_blocks = sig.LoopBlockSeries()
         self._gil_wait_bound_ms = None if settings.gil_wait_bound_s is None else settings.gil_wait_bound_s * 1e3
         self.decisions = RecentDecisions()
@@ -264,13 +267,14 @@ class ExporterCore:
     ) -> TraceSignals:
         s = self.settings
         gil, run_queue = self.series[sig.GIL_SERIES], self.series[sig.RUN_QUEUE_SERIES]
-        loop = self.series[sig.LOOP_SERIES]
+        loop, held = self.series[sig.LOOP_SERIES], self.series[sig.LOOP_HELD_SERIES]
         period_s = s.gil_sampler_period_s or 0.01
         return TraceSignals(
             gpu_utilization=gpu_utilization if isinstance(gpu_utilization, (int, float)) else None,
             gil_pressure_ms=sig.sampler_mean_ms(gil, start_ns, end_ns, period_s) if len(gil) else None,
             cpu_pressure_ms=sig.sampler_mean_ms(run_queue, start_ns, end_ns, period_s) if len(run_queue) else None,
             loop_lag_ms=sig.max_loop_lag_ms(loop, start_ns, end_ns) if len(loop) else None,
+            loop_held_ms=sig.max_loop_lag_ms(held, start_ns, end_ns) if len(held) else None,
             blocked_by=blocked_by,
         )
 

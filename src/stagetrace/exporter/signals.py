@@ -17,6 +17,7 @@ from stagetrace.settings import GIL_MIN_SAMPLES, MIN_CPU_ACCOUNTED_NS
 GIL_SERIES = "gil"
 RUN_QUEUE_SERIES = "runqueue"  # the GIL sampler's run-queue wait per wake-up
 LOOP_SERIES = "loop"
+LOOP_HELD_SERIES = "loopheld"  # per loop-lag wake-up: the part of the stall work on the loop's thread explains
 
 
 # A woken thread is off-CPU a little past its timer (timer slack, the wake-up path): the margin added to the
@@ -74,6 +75,31 @@ def not_gil_ms(blocked_ms: float, slices: int, gil_wait_bound_ms: float) -> floa
     if slices < 1 or blocked_ms <= slices * interval:
         return 0.0
     return blocked_ms - (slices - 1) * interval
+
+
+def loop_held_ms(
+    lag_ms: float, elapsed_ms: float, interval_ms: float, start: Any, end: Any, gil_wait_bound_ms: float | None
+) -> float | None:
+    """How much of an event-loop stall work on the loop's own thread explains, from that thread's schedstat
+    readings over the monitor's sleep (``elapsed_ms``, of which ``interval_ms`` was the sleep asked for).
+
+    Work held the loop if its thread ran (on-CPU time) or sat in a blocking call (off the CPU in stretches
+    longer than any GIL wait: ``not_gil_ms``). A thread that waited for the GIL or for a CPU did neither:
+    the stall was the process starving the loop, not work on it. The monitor's own idle wait is a long
+    stretch too, at most the interval, so the interval is taken off: a lower bound. None without schedstat
+    slices or a known GIL bound (then the lag alone is what is known).
+    """
+    if not isinstance(start, bytes) or not isinstance(end, bytes) or gil_wait_bound_ms is None:
+        return None
+    try:
+        s_cpu, s_rq, s_slices = (int(v) for v in start.split()[:3])
+        e_cpu, e_rq, e_slices = (int(v) for v in end.split()[:3])
+    except ValueError:
+        return None
+    cpu_ms, rq_ms = (e_cpu - s_cpu) / 1e6, (e_rq - s_rq) / 1e6
+    blocked_ms = max(0.0, elapsed_ms - cpu_ms - rq_ms)
+    in_calls_ms = not_gil_ms(blocked_ms, e_slices - s_slices, gil_wait_bound_ms)
+    return round(min(lag_ms, max(0.0, cpu_ms + in_calls_ms - interval_ms)), 3)
 
 
 class LagSeries:

@@ -131,6 +131,7 @@ def verdict_for_trace(
         gil_pressure_ms=_float(root.attributes.get(c.GIL_PRESSURE_MS)),
         cpu_pressure_ms=_float(root.attributes.get(c.CPU_PRESSURE_MS)),
         loop_lag_ms=_float(root.attributes.get(c.LOOP_LAG_MS)),
+        loop_held_ms=_float(root.attributes.get(c.LOOP_HELD_MS)),
     )
     route = root.attributes.get(c.HTTP_ROUTE)
     return build_verdict(
