@@ -31,8 +31,8 @@ class DiagnosisThresholds:
     pageable_min_bytes: int = 64 * 1024
     blocked_share: float = 0.25  # of a CPU stage's wall time
     blocked_min_ms: float = 5.0  # and at least this much: a few ms lost to other threads is normal
-    # Sampler wake-up lag (mean over the request): from gil_pressure_ms the GIL was contended. Below gil_free_ms it
-    # was free, which names a lock wait only where the platform gives no scheduler counts (see lock_or_io_wait).
+    # Sampler wake-up lag (mean over the request): from gil_pressure_ms the GIL was contended, below gil_free_ms it
+    # was free; in between a GIL wait and a lock wait look alike (``blocked_cause``).
     gil_pressure_ms: float = 1.0
     gil_free_ms: float = 0.5
     # Where the blocked time's cause can be told (``blocked_cause``). A host with CPUs to spare: the stage's
@@ -191,6 +191,13 @@ def _host_out_of_cpus(sig: TraceSignals, th: DiagnosisThresholds) -> bool:
     return sig.cpu_pressure_ms is not None and sig.cpu_pressure_ms >= th.cpu_pressure_ms
 
 
+def _queued_share(s: StageLike) -> float:
+    """The share of the stage's time off the CPU that it spent in the run queue."""
+    rq = s.runqueue_ms or 0.0
+    off_cpu = rq + (s.blocked_ms or 0.0)
+    return rq / off_cpu if off_cpu > 0 else 0.0
+
+
 def _short_of_cpus(stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds) -> bool:
     """The process's threads waited for CPUs during the request (the sampler's wake-ups did, or a stage's)."""
     return (sig.cpu_pressure_ms or 0.0) >= th.quiet_cpu_pressure_ms or any(
@@ -204,15 +211,12 @@ def _gil_explainable_ms(s: StageLike) -> float:
     return (s.blocked_ms or 0.0) - (s.not_gil_ms or 0.0)
 
 
+def _proven_not_gil(s: StageLike, th: DiagnosisThresholds) -> bool:
+    return _at_least(s.not_gil_ms, th.blocked_min_ms, th.blocked_share, s)
+
+
 # Why a CPU stage was blocked (off-CPU, not waiting for a CPU), as far as the signals can tell.
 GIL, LOCK, PREEMPTED_HOLDERS, UNDETERMINED = "gil", "lock", "preempted holders", "undetermined"
-
-
-def _queued_share(s: StageLike) -> float:
-    """The share of the stage's time off the CPU that it spent in the run queue."""
-    rq = s.runqueue_ms or 0.0
-    off_cpu = rq + (s.blocked_ms or 0.0)
-    return rq / off_cpu if off_cpu > 0 else 0.0
 
 
 def _queued_for_cpu(s: StageLike, th: DiagnosisThresholds) -> bool:
@@ -247,7 +251,7 @@ def blocked_cause(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> s
     """
     if not _at_least(s.blocked_ms, th.blocked_min_ms, th.blocked_share, s):
         return None
-    proven = _at_least(s.not_gil_ms, th.blocked_min_ms, th.blocked_share, s)
+    proven = _proven_not_gil(s, th)
     gil_like = _at_least(_gil_explainable_ms(s), th.blocked_min_ms, th.blocked_share, s)
     pressure = sig.gil_pressure_ms
     if _cpus_to_spare(s, sig, th):
@@ -270,16 +274,25 @@ def blocked_cause(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> s
     return PREEMPTED_HOLDERS if _host_out_of_cpus(sig, th) else UNDETERMINED
 
 
+def _blocked_ms(s: StageLike) -> float:
+    return s.blocked_ms or 0.0
+
+
+# The part of a blocked stage's time each cause accounts for (what ranks the stages of one cause).
+_EXPLAINED_BY: dict[str, Callable[[StageLike], float]] = {
+    LOCK: _blocked_ms,
+    GIL: _gil_explainable_ms,
+    PREEMPTED_HOLDERS: _gil_explainable_ms,
+    UNDETERMINED: _blocked_ms,
+}
+
+
 def _blocked_for(
     cause: str, stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds
 ) -> StageLike | None:
     """The stage blocked longest for ``cause`` (by the part of its blocked time that cause explains)."""
     hits = [s for s in _cpu_stages(stages, th) if blocked_cause(s, sig, th) == cause]
-    if not hits:
-        return None
-    if cause == LOCK:
-        return max(hits, key=lambda s: s.not_gil_ms if s.not_gil_ms else s.blocked_ms or 0.0)
-    return max(hits, key=_gil_explainable_ms if cause in (GIL, PREEMPTED_HOLDERS) else lambda s: s.blocked_ms or 0.0)
+    return max(hits, key=_EXPLAINED_BY[cause]) if hits else None
 
 
 def gil_contention(
@@ -302,7 +315,7 @@ def lock_or_io_wait(
     s = _blocked_for(LOCK, stages, sig, th)
     if s is None:
         return None
-    if s.not_gil_ms:
+    if _proven_not_gil(s, th):
         evidence = f", at least {s.not_gil_ms:.1f} ms of it in waits longer than a wait for the GIL lasts"
     else:
         evidence = " with the GIL free"
