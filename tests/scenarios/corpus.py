@@ -65,19 +65,23 @@ def fastapi_app(**kwargs: Any) -> Any:
     return FastAPI(**kwargs)
 
 
-def background_thread(
-    target: Callable[[threading.Event], None],
+def background_threads(
+    target: Callable[[threading.Event], None], count: int = 1
 ) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """``count`` threads running ``target(stop)`` for as long as the workload runs."""
+
     @contextlib.contextmanager
     def running() -> Iterator[None]:
         stop = threading.Event()
-        t = threading.Thread(target=target, args=(stop,), daemon=True)
-        t.start()
+        threads = [threading.Thread(target=target, args=(stop,), daemon=True) for _ in range(count)]
+        for t in threads:
+            t.start()
         try:
             yield
         finally:
             stop.set()
-            t.join()
+            for t in threads:
+                t.join()
 
     return running
 
@@ -132,14 +136,7 @@ def gil_contended(*, hogs: int) -> Workload:
         while not stop.is_set():
             x += 1
 
-    @contextlib.contextmanager
-    def running() -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            for _ in range(hogs):
-                stack.enter_context(background_thread(spin)())
-            yield
-
-    return Workload(app, "/tokenize", running)
+    return Workload(app, "/tokenize", background_threads(spin, hogs))
 
 
 def lock_waited(*, held: bool) -> Workload:
@@ -158,7 +155,7 @@ def lock_waited(*, held: bool) -> Workload:
                 time.sleep(0.06)  # holds the lock with the GIL free
             time.sleep(0.001)
 
-    return Workload(app, "/lookup", background_thread(holder) if held else contextlib.nullcontext)
+    return Workload(app, "/lookup", background_threads(holder, 1 if held else 0))
 
 
 def waited_for_the_lock(v: Verdict) -> bool:
@@ -183,14 +180,7 @@ def oversubscribed(*, threads: int, background: int) -> Workload:
         while not stop.is_set():
             compress(5)
 
-    @contextlib.contextmanager
-    def running() -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            for _ in range(background):
-                stack.enter_context(background_thread(compressing)())
-            yield
-
-    return Workload(app, "/compress", running)
+    return Workload(app, "/compress", background_threads(compressing, background))
 
 
 # --- QUEUEING --------------------------------------------------------------------------------------------------

@@ -39,12 +39,7 @@ def resolve_cpu(stage: Any, gil_wait_bound_ms: float | None = None) -> None:
     slices = None
     if isinstance(start, bytes):
         try:
-            s_cpu, s_rq, *s_rest = start.split()
-            e_cpu, e_rq, *e_rest = end.split()
-            cpu_ms = (int(e_cpu) - int(s_cpu)) / 1e6
-            rq_ms = (int(e_rq) - int(s_rq)) / 1e6
-            if s_rest and e_rest:
-                slices = int(e_rest[0]) - int(s_rest[0])
+            cpu_ms, rq_ms, slices = schedstat_delta(start, end)
         except (ValueError, AttributeError):
             return
         stage.runqueue_ms = round(max(0.0, rq_ms), 3)
@@ -56,6 +51,15 @@ def resolve_cpu(stage: Any, gil_wait_bound_ms: float | None = None) -> None:
     stage.blocked_ms = round(max(0.0, wall_ms - cpu_ms - rq_ms), 3)
     if slices is not None and gil_wait_bound_ms is not None:
         stage.not_gil_ms = round(not_gil_ms(stage.blocked_ms, slices, gil_wait_bound_ms), 3)
+
+
+def schedstat_delta(start: bytes, end: bytes) -> tuple[float, float, int | None]:
+    """On-CPU ms, run-queue ms and times scheduled in (None where the kernel gives only two fields) between
+    two reads of a thread's schedstat; ValueError on anything else."""
+    s_cpu, s_rq, *s_rest = start.split()
+    e_cpu, e_rq, *e_rest = end.split()
+    slices = int(e_rest[0]) - int(s_rest[0]) if s_rest and e_rest else None
+    return (int(e_cpu) - int(s_cpu)) / 1e6, (int(e_rq) - int(s_rq)) / 1e6, slices
 
 
 def not_gil_ms(blocked_ms: float, slices: int, gil_wait_bound_ms: float) -> float:
@@ -92,13 +96,13 @@ def loop_held_ms(
     if not isinstance(start, bytes) or not isinstance(end, bytes) or gil_wait_bound_ms is None:
         return None
     try:
-        s_cpu, s_rq, s_slices = (int(v) for v in start.split()[:3])
-        e_cpu, e_rq, e_slices = (int(v) for v in end.split()[:3])
+        cpu_ms, rq_ms, slices = schedstat_delta(start, end)
     except ValueError:
         return None
-    cpu_ms, rq_ms = (e_cpu - s_cpu) / 1e6, (e_rq - s_rq) / 1e6
+    if slices is None:
+        return None
     blocked_ms = max(0.0, elapsed_ms - cpu_ms - rq_ms)
-    in_calls_ms = not_gil_ms(blocked_ms, e_slices - s_slices, gil_wait_bound_ms)
+    in_calls_ms = not_gil_ms(blocked_ms, slices, gil_wait_bound_ms)
     return round(min(lag_ms, max(0.0, cpu_ms + in_calls_ms - interval_ms)), 3)
 
 
