@@ -1,16 +1,123 @@
 from __future__ import annotations
 
 import logging
+import math
+import os
+import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import stagetrace
-from stagetrace.analysis import Verdict
+from stagetrace.analysis import DiagnosisThresholds, Verdict
+
+# --- the suite writes only into temporary directories ---------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+# What running Python and pytest leaves in any checkout, and the set-up's own environment.
+_TOOLING = (".venv/", "__pycache__/", ".pytest_cache/", ".egg-info/", ".ruff_cache/", ".mypy_cache/", "mutants/")
+
+# No .hypothesis/ in the working tree: no example database, and hypothesis's other caches in a temporary
+# directory (hypothesis reads the variable when it first writes).
+settings.register_profile("stagetrace", database=None)
+settings.load_profile("stagetrace")
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", tempfile.mkdtemp(prefix="stagetrace-hypothesis-"))
+
+
+def _untracked_files() -> set[str] | None:
+    """Files in the working tree that git does not track, ignored ones included (None outside a checkout)."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--ignored", "--untracked-files=all"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    paths = {line[3:] for line in out.splitlines() if line[:2] in ("??", "!!")}
+    return {p for p in paths if not any(part in p for part in _TOOLING)}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def writes_stay_in_temporary_directories(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The embedded default's traces go to a temporary directory, for every process the suite starts
+    (servers inherit the environment), and the suite fails if it left any new file in the working tree:
+    a test's output there would mix with the demo's in ``stagetrace report stagetrace-out``."""
+    before = _untracked_files()
+    out_dir = tmp_path_factory.mktemp("stagetrace-out")
+    previous = os.environ.get("STAGETRACE_OUTPUT_DIR")
+    os.environ["STAGETRACE_OUTPUT_DIR"] = str(out_dir)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("STAGETRACE_OUTPUT_DIR", None)
+        else:
+            os.environ["STAGETRACE_OUTPUT_DIR"] = previous
+    after = _untracked_files()
+    if before is not None and after is not None and after - before:
+        pytest.fail("the suite wrote into the working tree: " + ", ".join(sorted(after - before)[:10]), pytrace=False)
+
+
+# --- scenarios that need a host with CPUs to spare -------------------------------------------------------
+
+HOST_BUSY_SHARE = 0.2  # of a probe's time spent waiting for a CPU: the host is short of CPUs
+
+
+def host_run_queue_share(probe_s: float = 0.1) -> float | None:
+    """Spin this thread for ``probe_s`` and return the share of it spent waiting for a CPU (schedstat's run
+    queue), None where schedstat is not readable. On a quiet host a runnable thread runs at once."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            before = int(f.read().split()[1])
+        start = time.perf_counter_ns()
+        while time.perf_counter_ns() - start < probe_s * 1e9:
+            pass
+        with open("/proc/thread-self/schedstat") as f:
+            after = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return (after - before) / (time.perf_counter_ns() - start)
+
+
+@pytest.fixture
+def spare_cpus() -> None:
+    """For scenarios whose requests must live one cause and whose healthy twins none: on a host that other
+    processes keep short of CPUs, every request really lives CPU oversubscription too, and stagetrace
+    rightly says so. Such a run cannot be the scenario it was written to be, so it is skipped, saying why
+    (the suite under a CPU hog: the rest of it still runs and must pass)."""
+    share = host_run_queue_share()
+    if share is not None and share > HOST_BUSY_SHARE:
+        pytest.skip(f"the host is short of CPUs: a probe thread waited {share:.0%} of its time for one")
+
+
+def rules_that_cannot_fire() -> DiagnosisThresholds:
+    """Thresholds no trace can reach: every rule's minimum duration at infinity. For tests that need a
+    healthy trace to stay undiagnosed on a loaded host (where any request can lose time to the scheduler
+    and be rightly diagnosed); ``tests/test_diagnosis.py`` checks that no rule fires with them."""
+    return DiagnosisThresholds(
+        min_stage_ms=math.inf,
+        gpu_starved_utilization=-1.0,
+        pageable_min_bytes=1 << 62,
+        blocked_min_ms=math.inf,
+        runqueue_min_ms=math.inf,
+        event_loop_stage_ms=math.inf,
+        event_loop_lag_ms=math.inf,
+        event_loop_wait_ms=math.inf,
+        queueing_ms=math.inf,
+        untracked_min_ms=math.inf,
+        batch_wait_min_ms=math.inf,
+        batch_underfilled_fill=-1.0,
+    )
 
 
 class Harness:

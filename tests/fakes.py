@@ -19,8 +19,14 @@ import pynvml
 
 
 class FakeGpu:
-    def __init__(self) -> None:
+    """``virtual_clock=True``: the device's time stands still until a host waits for its work
+    (``FakeStream.wait_host`` moves it to the stream's tail), so kernels' timings are exactly what was
+    launched, whatever the host's load. The default follows real time, as a device does."""
+
+    def __init__(self, *, virtual_clock: bool = False) -> None:
         self.base = time.perf_counter_ns()
+        self.virtual_clock = virtual_clock
+        self.virtual_now = 0
         self.sync_calls = 0
         self.elapsed_on_incomplete = 0
         self.queries_during_capture = 0
@@ -33,6 +39,8 @@ class FakeGpu:
         self.thread_local_capture_threads: set[int] = set()
 
     def now(self) -> int:
+        if self.virtual_clock:
+            return self.virtual_now
         return time.perf_counter_ns() - self.base
 
     def current_stream(self) -> FakeStream:
@@ -73,6 +81,9 @@ class FakeStream:
         self.wait_host()
 
     def wait_host(self) -> None:
+        if self.gpu.virtual_clock:
+            self.gpu.virtual_now = max(self.gpu.virtual_now, self.tail)
+            return
         while self.gpu.now() < self.tail:
             time.sleep(0.0005)
 

@@ -24,7 +24,7 @@ def marks(scenario):
 
 
 @pytest.mark.parametrize("scenario", [pytest.param(s, id=s.name, marks=marks(s)) for s in SCENARIOS])
-def test_scenario(harness, scenario):
+def test_scenario(harness, scenario, spare_cpus):
     outcome = run_once(scenario, harness.wait_verdicts)
     assert outcome.verdicts == scenario.requests
     if scenario.rule is None:

@@ -11,7 +11,7 @@ from collections import Counter, defaultdict
 import pytest
 
 import stagetrace
-from conftest import both_modes
+from conftest import both_modes, rules_that_cannot_fire
 from stagetrace import conventions as c
 from stagetrace.exporter import spans as sp
 from stagetrace.exporter.sampling import PendingBatches, RecentDecisions
@@ -343,23 +343,54 @@ def test_a_batch_of_300_links_every_member_in_chunks(make_harness):
     assert len(heads) == 300 and linked == heads
 
 
-def test_batch_span_is_kept_when_a_member_is(make_harness, monkeypatch):
-    monkeypatch.setenv("STAGETRACE_HEALTHY_SAMPLE", "0")
-    h = make_harness(slow_threshold_ms=30)
+def test_a_members_share_follows_its_tickets_items_not_their_count(harness):
+    """One request files two tickets (2 + 1 items), another one ticket of 1 item: of a batch of 4 items the
+    first is charged 3/4 of each stage, the second 1/4."""
     from opentelemetry.trace import use_span
 
-    def run_batch(sleep_after_s: float) -> None:
+    requests = []
+    tickets = []
+    for items in ((2, 1), (1,)):
+        span = harness.tracer.start_span(f"request-{sum(items)}")
+        with use_span(span, end_on_exit=False):
+            tickets += [stagetrace.enqueue("infer.queue", items=n) for n in items]
+        requests.append(span)
+    with stagetrace.batch("infer", tickets):
+        with stagetrace.stage("forward"):
+            time.sleep(0.002)
+    for span in requests:
+        span.end()
+    spans = harness.spans()
+    names = {s.context.trace_id: s.name for s in spans if s.name.startswith("request-")}
+    shares = {
+        names[s.context.trace_id]: s.attributes[c.BATCH_SHARE_MS] / ((s.end_time - s.start_time) / 1e6)
+        for s in spans
+        if s.name == "forward" and c.BATCH_SHARE_MS in s.attributes
+    }
+    assert shares == {"request-3": pytest.approx(0.75, abs=0.01), "request-1": pytest.approx(0.25, abs=0.01)}
+    assert {s.attributes[c.BATCH_ITEMS] for s in spans if c.BATCH_SHARE_MS in s.attributes} == {4}
+
+
+def test_batch_span_is_kept_when_a_member_is(make_harness, monkeypatch):
+    """The members' keep reasons do not depend on timing (a loaded host can make any request slow or
+    diagnosed): one failed, the other is healthy under rules that cannot fire and a threshold it cannot reach."""
+    monkeypatch.setenv("STAGETRACE_HEALTHY_SAMPLE", "0")
+    h = make_harness(slow_threshold_ms=600_000, thresholds=rules_that_cannot_fire())
+    from opentelemetry.trace import StatusCode, use_span
+
+    def run_batch(failed: bool) -> None:
         span = h.tracer.start_span("request")
         with use_span(span, end_on_exit=False):
             ticket = stagetrace.enqueue("infer.queue")
         with stagetrace.batch("infer", [ticket]):
             with stagetrace.stage("forward"):
                 pass
-        time.sleep(sleep_after_s)  # the member's request ends after its batch, as members do
-        span.end()
+        if failed:
+            span.set_status(StatusCode.ERROR)
+        span.end()  # the member's request ends after its batch, as members do
 
-    run_batch(0.05)  # slow member: kept, and its batch with it
-    run_batch(0.0)  # healthy member, healthy share 0: neither exported
+    run_batch(failed=True)  # errored member: kept, and its batch with it
+    run_batch(failed=False)  # healthy member, healthy share 0: neither exported
     spans = h.spans()
     assert [s.name for s in spans if s.name == "request"] == ["request"]
     batch_roots = [s for s in spans if s.name == "infer" and s.parent is None]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import rules_that_cannot_fire
 from stagetrace.analysis import BatchInfo, DiagnosisThresholds, StageSample, TraceSignals, analyse_trace, diagnose
 from stagetrace.analysis.diagnosis import ADVICE, RULE_CODES
 
@@ -99,9 +100,9 @@ def test_thresholds_are_configurable():
     assert "UNTRACKED_TIME" not in run(stages, thresholds=DiagnosisThresholds(untracked_share=0.9))
 
 
-@pytest.mark.parametrize("code", RULE_CODES)
-def test_diagnosis_message_is_specific(code):
-    signatures = {
+def firing_cases():
+    """One trace per rule that fires it (the messages' test and the unreachable thresholds' test)."""
+    return {
         "GPU_STARVED": ([cpu("decode", 0, 80)], TraceSignals(gpu_utilization=0.1)),
         "PAGEABLE_H2D": (
             [StageSample("h2d", "h2d", 0, MS, gpu_ms=1, h2d_bytes=1 << 20, h2d_pinned=False)],
@@ -117,10 +118,20 @@ def test_diagnosis_message_is_specific(code):
         "BATCH_WAIT": (batch_member(formation=60, busy=0), TraceSignals()),
         "BATCH_UNDERFILLED": (batch_member(formation=5, busy=30, items=2, gpu_ms=8), TraceSignals()),
     }
-    stages, sig = signatures[code]
+
+
+@pytest.mark.parametrize("code", RULE_CODES)
+def test_diagnosis_message_is_specific(code):
+    stages, sig = firing_cases()[code]
     d = run(stages, signals=sig)[code]
     assert any(ch.isdigit() for ch in d.message)
     assert d.advice == ADVICE[code]
+
+
+@pytest.mark.parametrize("code", RULE_CODES)
+def test_the_unreachable_thresholds_silence_every_rule(code):
+    stages, sig = firing_cases()[code]
+    assert run(stages, signals=sig, thresholds=rules_that_cannot_fire()) == {}
 
 
 def batch_member(*, formation, busy, items=8, max_size=16, gpu_ms=None, run_ms=40, total_ms=100):

@@ -105,7 +105,11 @@ def test_embedded_default_writes_otlp_json_lines(monkeypatch, tmp_path, caplog):
     assert len(root["traceId"]) == 32 and len(root["spanId"]) == 16  # hex ids, as the Collector writes
     assert by_name["decode"]["parentSpanId"] == root["spanId"]
     attrs = {a["key"]: a["value"] for a in root["attributes"]}
-    assert attrs[c.BOTTLENECK_STAGE] == {"stringValue": "decode"}
+    # decode is meant to be the longest stage; on a loaded host a stage or the time between them can outlast it
+    ms = {name: (int(s["endTimeUnixNano"]) - int(s["startTimeUnixNano"])) / 1e6 for name, s in by_name.items()}
+    longest = max(("decode", "infer"), key=ms.__getitem__)
+    expected = longest if ms[longest] >= ms["predict"] - ms["decode"] - ms["infer"] else c.UNTRACKED
+    assert attrs[c.BOTTLENECK_STAGE] == {"stringValue": expected}
     assert str(handle.traces_path) in caplog.text
 
 

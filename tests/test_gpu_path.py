@@ -10,7 +10,7 @@ import time
 import pytest
 
 import stagetrace
-from fakes import FakeCudaBackend, FakeNvml, FakeTensor, FakeTorch, fake_model
+from fakes import FakeCudaBackend, FakeGpu, FakeNvml, FakeTensor, FakeTorch, fake_model
 from stagetrace import conventions as c
 from stagetrace.gpu import attach_gpu
 from stagetrace.gpu.backend import TorchCudaBackend
@@ -287,9 +287,10 @@ def test_no_query_overlaps_a_capture_that_starts_while_traces_resolve(make_harne
 def test_concurrent_requests_on_one_stream_bracket_each_others_kernels(make_harness, per_request_streams):
     """Two requests launch 20 ms of kernels each, interleaved. On the shared default stream, the first one's
     end event lands after the second's kernels: its stage reads ~40 ms. On a stream per request each reads
-    its own ~20 ms. (The README's "GPU stages under concurrency".)"""
+    its own ~20 ms. (The README's "GPU stages under concurrency".) The device's clock is virtual: a host
+    thread descheduled between its event and its launch would otherwise be device time, as on a real GPU."""
     h = make_harness(gpu=False)
-    backend = FakeCudaBackend()
+    backend = FakeCudaBackend(FakeGpu(virtual_clock=True))
     attach_gpu(h.handle.runtime, backend=backend, nvml_enabled=False)
     gpu = backend.gpu
     launched = threading.Barrier(2)
@@ -317,11 +318,11 @@ def test_concurrent_requests_on_one_stream_bracket_each_others_kernels(make_harn
     for t in threads:
         t.join(10)
     verdicts = {v.root_name: v.breakdown["infer"] for v in h.wait_verdicts(2)}
-    assert 18 <= verdicts["second"] <= 25
+    assert verdicts["second"] == pytest.approx(20)
     if per_request_streams:
-        assert 18 <= verdicts["first"] <= 25
+        assert verdicts["first"] == pytest.approx(20)
     else:
-        assert 38 <= verdicts["first"] <= 45  # its events bracket the second request's kernels too
+        assert verdicts["first"] == pytest.approx(40)  # its events bracket the second request's kernels too
 
 
 # --- item 8: the first GPU run's own logic, checked here -------------------------------------------------

@@ -90,7 +90,14 @@ def threads_patched():
     stop_propagating_context()
 
 
-def test_an_executor_burst_marks_exactly_the_tasks_beyond_its_workers_as_queued(harness, threads_patched):
+@pytest.mark.parametrize("state_readable", [True, False], ids=["pool-state-read", "pool-state-unreadable"])
+def test_an_executor_burst_marks_exactly_the_tasks_beyond_its_workers_as_queued(
+    harness, threads_patched, monkeypatch, state_readable
+):
+    """Our own count decides; the pool's internals (read through ``_compat``) only cover tasks submitted
+    before stagetrace was on, so a pool whose internals cannot be read is judged the same."""
+    if not state_readable:
+        monkeypatch.setattr("stagetrace.integrations.threads.executor_saturated", lambda pool: None)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="infer")
     try:
         with stagetrace.pipeline("job"):
@@ -100,7 +107,7 @@ def test_an_executor_burst_marks_exactly_the_tasks_beyond_its_workers_as_queued(
     finally:
         pool.shutdown()
     waits = sorted(harness.by_name("infer.wait"), key=lambda s: s.start_time)
-    flags = [s.attributes[c.QUEUE_SATURATED] for s in waits]
+    flags = [s.attributes.get(c.QUEUE_SATURATED) for s in waits]  # absent: not known
     # the first two tasks started new workers (a wait stage only if dispatch took 0.5 ms or more)
     assert flags[-4:] == [True] * 4 and not any(flags[:-4])
     assert "QUEUEING" in v.diagnosis_codes

@@ -25,9 +25,10 @@ def settle_heap() -> None:
 
 
 @pytest.fixture(autouse=True)
-def frozen_heap():
+def frozen_heap(spare_cpus):
     """Collections hold the GIL: over the heap the rest of the suite leaves behind they read as GIL
-    pressure. Freeze what exists before each scenario so collections only scan the scenario's objects."""
+    pressure. Freeze what exists before each scenario so collections only scan the scenario's objects.
+    (Each scenario also needs a host with CPUs to spare: ``spare_cpus``.)"""
     gc.collect()
     gc.freeze()
     yield
