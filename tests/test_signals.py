@@ -196,3 +196,29 @@ def test_the_loop_monitor_tells_work_on_the_loop_from_an_idle_loop():
     idle = LoopLagMonitor(0.05, gil_wait_bound_s=sys.getswitchinterval())
     assert asyncio.run(scenario(idle, lambda: None)) < 10.0
 
+
+def test_the_gil_sampler_sleeps_while_no_trace_is_in_flight_and_wakes_with_the_first():
+    from stagetrace.capture.registry import TraceRegistry
+    from stagetrace.capture.samplers import GilPressureSampler
+
+    registry = TraceRegistry(16, 60.0, lambda reason, n: None)
+    sampler = GilPressureSampler(0.002, in_flight=registry.__len__)
+    registry.idle_wake = sampler.wake
+    sampler.ensure_running()
+    try:
+        time.sleep(0.1)
+        assert sampler.series.drain() == [] and sampler.idle_waits >= 1  # idle: no wake-ups, no samples
+        registry.open(1, 2, time.time_ns())
+        deadline = time.monotonic() + 5
+        samples = []
+        while len(samples) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+            samples += sampler.series.drain()
+        assert len(samples) >= 3  # a trace in flight: sampling at its period
+        registry.close(1, 2)
+        time.sleep(0.05)
+        sampler.series.drain()
+        time.sleep(0.1)
+        assert sampler.series.drain() == []  # idle again
+    finally:
+        sampler.stop()

@@ -26,6 +26,8 @@ class TraceRegistry:
         self._traces: dict[int, TraceRecord] = {}
         self._on_loop: dict[int, int] = {}  # loop thread -> traces in flight whose root started on it
         self._lock = threading.Lock()
+        # Set whenever a trace opens: a sampler that only measures while traces are in flight waits on it.
+        self.idle_wake: threading.Event | None = None
 
     def __len__(self) -> int:
         return len(self._traces)
@@ -56,6 +58,9 @@ class TraceRegistry:
         if full:
             self._on_drop("traces_in_flight", 1)
             return None
+        wake = self.idle_wake
+        if wake is not None and not wake.is_set():
+            wake.set()
         return rec
 
     def close(self, trace_id: int, root_span_id: int) -> TraceRecord | None:

@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from stagetrace._safety import report_internal_error
@@ -23,6 +24,7 @@ from stagetrace.capture.cpu import CpuSignals
 from stagetrace.exporter.signals import loop_held_ms
 
 _perf_ns = time.perf_counter_ns
+IDLE_CHECK_S = 1.0  # an idle sampler looks again this often even unwoken (a missed wake costs at most this)
 T = TypeVar("T")
 
 
@@ -53,17 +55,26 @@ class SampleBuffer(DrainQueue[tuple[int, float]]):
 
 
 class GilPressureSampler:
-    """Always-on, one thread: about ``1/period`` wake-ups per second, each a few microseconds. Beside the GIL
-    wait, each wake-up's run-queue wait is kept (``run_queue``): how long a thread made runnable waited for a
-    CPU, the host's oversubscription as any thread of the process meets it."""
+    """One thread: about ``1/period`` wake-ups per second while a trace is in flight, each a few
+    microseconds. Beside the GIL wait, each wake-up's run-queue wait is kept (``run_queue``): how long a
+    thread made runnable waited for a CPU, the host's oversubscription as any thread of the process meets it.
 
-    def __init__(self, period_s: float = 0.010, max_samples: int = 8192) -> None:
+    Samples only count inside a trace's window, so with none in flight (``in_flight() == 0``) the thread
+    sleeps on ``wake`` until the registry opens a trace (``TraceRegistry.idle_wake``): an idle server pays
+    no wake-ups, a busy one one ``Event.is_set`` per request."""
+
+    def __init__(
+        self, period_s: float = 0.010, max_samples: int = 8192, in_flight: Callable[[], int] | None = None
+    ) -> None:
         self.period_s = period_s
         self.series = SampleBuffer(max_samples)
         self.run_queue = SampleBuffer(max_samples)
+        self.wake = threading.Event()
+        self._in_flight = in_flight
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = 0
+        self.idle_waits = 0  # times the thread went to sleep with nothing in flight
 
     def ensure_running(self) -> None:
         if self._thread is not None and self._pid == os.getpid():
@@ -77,7 +88,14 @@ class GilPressureSampler:
         period = self.period_s
         cpu = CpuSignals()
         run_queue = cpu.run_queue_ns if cpu.schedstat and cpu._pread is not None else None
+        in_flight, wake = self._in_flight, self.wake
         while not self._stop.is_set():
+            if in_flight is not None and not in_flight():
+                wake.clear()  # before the check: a trace opened from here on sets it again
+                if not in_flight():
+                    self.idle_waits += 1
+                    wake.wait(IDLE_CHECK_S)
+                continue
             rq0 = run_queue() if run_queue else 0
             t0 = _perf_ns()
             time.sleep(period)
@@ -92,6 +110,7 @@ class GilPressureSampler:
 
     def stop(self) -> None:
         self._stop.set()
+        self.wake.set()
 
 
 class LoopLagMonitor:
