@@ -83,7 +83,8 @@ def test_demo_optimized_prints_before_and_after(tmp_path, pipeline):
     doc = json.loads(report.stdout)
     assert doc["traces"] == 32  # the batch executions are not requests
     batches = doc["batches"]["infer.batch"]
-    assert 1 <= batches["executions"] <= 16 and batches["size_mean"] * batches["executions"] == pytest.approx(16)
+    assert 1 <= batches["executions"] <= 16
+    assert batches["size_mean"] * batches["executions"] == pytest.approx(16, rel=0.01)  # a mean to 2 places
     assert doc["batch_waits"]["infer.batch.queue"]["requests"] == 16
 
 
