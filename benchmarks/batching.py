@@ -36,6 +36,9 @@ VARIANTS = ("uninstrumented", "hand-written", "stagetrace", "stagetrace-all")
 STAGES = ("h2d", "forward", "d2h")
 
 
+EVERY_TRACE = {"STAGETRACE_HEALTHY_SAMPLE": "1.0", "STAGETRACE_EXPORT_BUDGET": "off"}  # stagetrace-all
+
+
 def _work() -> None:
     sum(range(50))  # a token amount of work per stage
 
@@ -158,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         env.update(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}", OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf")
         for _ in range(args.rounds):  # interleaved: each variant once per round, in its own process
             for v in VARIANTS:
-                venv = dict(env, **({"STAGETRACE_HEALTHY_SAMPLE": "1.0"} if v == "stagetrace-all" else {}))
+                venv = dict(env, **(EVERY_TRACE if v == "stagetrace-all" else {}))
                 name = "stagetrace" if v == "stagetrace-all" else v
                 out = subprocess.run(
                     [sys.executable, __file__, "child", name, str(args.requests), str(args.batch), "1"],

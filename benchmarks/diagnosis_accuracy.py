@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--explain", action="store_true", help="print every verdict that missed or misread")
     args = parser.parse_args(argv)
     os.environ.setdefault("STAGETRACE_HEALTHY_SAMPLE", "1.0")
+    os.environ.setdefault("STAGETRACE_EXPORT_BUDGET", "off")
     gpu = cuda_available()
     print(
         f"diagnosis accuracy: {args.runs} runs of each scenario against uvicorn on 127.0.0.1, "

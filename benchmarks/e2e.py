@@ -12,9 +12,10 @@ server process on 127.0.0.1:
                     today), BatchSpanProcessor;
   stagetrace        stagetrace.instrument_fastapi (FastAPI's own telemetry where FastAPI has it), every
                     signal on, the default local tail sampling (slow, diagnosed and errored traces, and
-                    10 % of the healthy ones, exported in full);
+                    10 % of the healthy ones, exported in full within the export budget);
   stagetrace-contrib the same on the contrib instrumentation (instrument_fastapi(telemetry="contrib"));
-  stagetrace-all    the same with STAGETRACE_HEALTHY_SAMPLE=1.0 (every trace exported);
+  stagetrace-all    the same with STAGETRACE_HEALTHY_SAMPLE=1.0 and STAGETRACE_EXPORT_BUDGET=off (every
+                    trace exported);
   stagetrace-thread the default, with STAGETRACE_EXPORT_PROCESS=off (the exporter's work on a thread of
                     the server process).
 Two workloads: "gil-free" (zlib compression, which releases the GIL; the thread pool as FastAPI sets it)
@@ -224,7 +225,7 @@ async def _load(base: str, n: int, concurrency: int) -> tuple[float, list[float]
 
 
 VARIANT_ENV = {
-    "stagetrace-all": {"STAGETRACE_HEALTHY_SAMPLE": "1.0"},
+    "stagetrace-all": {"STAGETRACE_HEALTHY_SAMPLE": "1.0", "STAGETRACE_EXPORT_BUDGET": "off"},
     "stagetrace-thread": {"STAGETRACE_EXPORT_PROCESS": "off"},
 }
 VARIANTS = (

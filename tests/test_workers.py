@@ -51,6 +51,7 @@ def test_every_worker_exports_its_own_verdicts_exactly_once(server, tmp_path):
     args = COMMANDS[server] + ([str(port)] if "uvicorn --" in server else [f"127.0.0.1:{port}", "fork_app:app"])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
     env.update(STAGETRACE_OUTPUT_DIR=str(tmp_path), PYTHONPATH=str(HERE), STAGETRACE_HEALTHY_SAMPLE="1")
+    env["STAGETRACE_EXPORT_BUDGET"] = "off"  # every request's trace is counted
     proc = subprocess.Popen(
         [sys.executable, *args], cwd=HERE, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )

@@ -50,6 +50,7 @@ def run_instrumented(tmp_path: Path, env_extra: dict[str, str]) -> subprocess.Co
     script.write_text(APP)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
     env["STAGETRACE_HEALTHY_SAMPLE"] = "1"  # these tests count every trace
+    env["STAGETRACE_EXPORT_BUDGET"] = "off"
     env.update(env_extra)
     instrument = shutil.which("opentelemetry-instrument", path=str(Path(sys.executable).parent))
     assert instrument, "opentelemetry-instrument not installed"

@@ -71,6 +71,22 @@ def healthy_sample_from_env(default: float = 0.1) -> float:
     return _number_from_env("STAGETRACE_HEALTHY_SAMPLE", default, "a number between 0 and 1", lambda v: 0 <= v <= 1)
 
 
+def export_budget_from_env(default: float | None = 20.0) -> float | None:
+    """``STAGETRACE_EXPORT_BUDGET``: full traces exported a second at most (a number > 0), or ``off`` for no
+    budget (every slow, diagnosed, errored and sampled trace is exported, e.g. for a Collector's own tail
+    sampling)."""
+    raw = os.environ.get("STAGETRACE_EXPORT_BUDGET", "").strip().lower()
+    if raw in ("off", "none", "unlimited"):
+        return None
+    if not raw:
+        return default
+    return _number_from_env("STAGETRACE_EXPORT_BUDGET", 0.0, "a number of traces a second > 0, or off", _positive)
+
+
+def _positive(value: float) -> bool:
+    return value > 0
+
+
 @dataclass
 class Settings:
     slow_threshold_ms: float = DEFAULT_SLOW_THRESHOLD_MS
@@ -103,6 +119,14 @@ class Settings:
     healthy_sample: float = field(default_factory=healthy_sample_from_env)
     channel_buffer_bytes: int = 8 * 2**20  # application-side bytes waiting for the pipe, at most
     exporter_restarts_per_minute: int = 5
+    # The export budget (``exporter/budget.py``): full traces a second at most, and the burst allowed (None:
+    # no budget); per signature (route or root name, bottleneck, diagnosis codes) a share of it, so one kind
+    # of trace cannot take it all; signatures remembered at most.
+    export_budget_per_s: float | None = field(default_factory=export_budget_from_env)
+    export_budget_burst: float = 40.0
+    signature_budget_per_s: float = 5.0
+    signature_budget_burst: float = 10.0
+    max_budget_signatures: int = 1024
     # A batch span waits in the exporter for its members' keep decisions (it is exported when any member
     # is), at most this long and this many at once.
     batch_keep_wait_s: float = 30.0
@@ -132,7 +156,18 @@ class Settings:
                 raise ValueError(f"route_slow_thresholds_ms needs str routes and values > 0, got {route!r}: {ms!r}")
         if not 0.0 <= self.healthy_sample <= 1.0:
             raise ValueError(f"healthy_sample must be between 0 and 1, got {self.healthy_sample!r}")
-        for name in ("max_traces_in_flight", "max_stages_per_trace", "max_stage_names", "queue_size"):
+        if self.export_budget_per_s is not None and not self.export_budget_per_s > 0:
+            raise ValueError(f"export_budget_per_s must be > 0 or None (no budget), got {self.export_budget_per_s!r}")
+        for name in ("export_budget_burst", "signature_budget_per_s", "signature_budget_burst"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in (
+            "max_traces_in_flight",
+            "max_stages_per_trace",
+            "max_stage_names",
+            "queue_size",
+            "max_budget_signatures",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         return self

@@ -142,8 +142,8 @@ def run_demo(
         on_verdict=on_verdict,
         traces_path=None if env_exporter else traces_path,
         # Every trace kept, so that the report written from them covers every request (the production
-        # default keeps slow, diagnosed and errored traces and 10 % of the rest).
-        settings=stagetrace.Settings(healthy_sample=1.0),
+        # default keeps slow, diagnosed and errored traces and 10 % of the rest, within an export budget).
+        settings=stagetrace.Settings(healthy_sample=1.0, export_budget_per_s=None),
     )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     app = pipelines.build_app(device)

@@ -22,9 +22,10 @@ from stagetrace.analysis import TraceSignals, Verdict, analyse_trace, build_verd
 from stagetrace.analysis.loopwait import blocker_entry, loop_waits
 from stagetrace.exporter import signals as sig
 from stagetrace.exporter import spans as sp
+from stagetrace.exporter.budget import BudgetLimits, ExportBudget, signature_of
 from stagetrace.exporter.foreign import as_stage_span, foreign_kind, link_enclosing_stages, split_foreign_stages
 from stagetrace.exporter.metrics import MetricsSink, replay
-from stagetrace.exporter.sampling import PendingBatches, RecentDecisions, decide, in_healthy_share
+from stagetrace.exporter.sampling import Keep, PendingBatches, RecentDecisions, decide, in_healthy_share
 from stagetrace.handoff import wire
 from stagetrace.settings import LOOP_WAIT_MIN_NS, MAX_BLOCKED_BY, MAX_LOOP_WAIT_SPANS, Settings
 
@@ -67,6 +68,16 @@ class ExporterCore:
         self._gil_wait_bound_ms = None if settings.gil_wait_bound_s is None else settings.gil_wait_bound_s * 1e3
         self.decisions = RecentDecisions()
         self.batches = PendingBatches(self.decisions, settings.batch_keep_wait_s, settings.max_pending_batches)
+        self.budget = ExportBudget(
+            BudgetLimits(
+                per_s=settings.export_budget_per_s,
+                burst=settings.export_budget_burst,
+                signature_per_s=settings.signature_budget_per_s,
+                signature_burst=settings.signature_budget_burst,
+                max_signatures=settings.max_budget_signatures,
+            ),
+            time.monotonic(),
+        )
         self._new_span_id = random.Random().getrandbits  # ids for spans the exporter adds (link chunks)
         self.handled = 0  # traces, stages and spans handled (acknowledged to the application)
         self._slow_log = RateLimitedLog(per_interval=settings.slow_log_per_minute, interval_s=60.0)
@@ -173,6 +184,11 @@ class ExporterCore:
             or any(o[wire.SPAN_STATUS] == _ERROR for o in others)
         )
         keep = decide(verdict, errored=errored, healthy_share=self.settings.healthy_sample, trace_id=trace_id)
+        if keep.kept:
+            signature = signature_of(verdict.root_name, route, verdict.bottleneck, verdict.diagnosis_codes)
+            keep = self.budget.admit(keep, signature, verdict.total_ms, time.monotonic())
+            if keep is Keep.BUDGET:
+                self.metrics.dropped("budget")
         self.decisions.remember(trace_id, kept=keep.kept)
         self._export(self.batches.member_decided(trace_id, kept=keep.kept))
         self.metrics.record_trace(verdict, (trace_id, root[wire.SPAN_ID]) if keep.kept else None)

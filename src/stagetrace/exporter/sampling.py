@@ -29,10 +29,11 @@ class Keep(str, Enum):
     ERROR = "error"
     HEALTHY_SAMPLE = "healthy_sample"
     DROPPED = "dropped"  # a healthy trace outside the sampled share
+    BUDGET = "budget"  # worth keeping, but over the export budget (``exporter/budget.py``): metrics only
 
     @property
     def kept(self) -> bool:
-        return self not in (Keep.UNSAMPLED, Keep.DROPPED)
+        return self not in (Keep.UNSAMPLED, Keep.DROPPED, Keep.BUDGET)
 
 
 def in_healthy_share(trace_id: int, share: float) -> bool:
@@ -49,12 +50,12 @@ def in_healthy_share(trace_id: int, share: float) -> bool:
 def decide(verdict: Verdict, *, errored: bool, healthy_share: float, trace_id: int) -> Keep:
     if not verdict.sampled:
         return Keep.UNSAMPLED
+    if errored:  # first: the export budget rations errors last (``exporter/budget.py``)
+        return Keep.ERROR
     if verdict.slow:
         return Keep.SLOW
     if verdict.diagnoses:
         return Keep.DIAGNOSED
-    if errored:
-        return Keep.ERROR
     if in_healthy_share(trace_id, healthy_share):
         return Keep.HEALTHY_SAMPLE
     return Keep.DROPPED

@@ -40,7 +40,8 @@ def build_app(out_dir: str) -> Any:
         "load-test",
         metric_reader=reader,
         on_verdict=lambda v: verdicts.__setitem__(0, verdicts[0] + 1),
-        settings=stagetrace.Settings(healthy_sample=1.0),  # the harness checks that every request has its trace
+        # the harness checks that every request has its trace: all kept, no budget
+        settings=stagetrace.Settings(healthy_sample=1.0, export_budget_per_s=None),
     )
     app = FastAPI()
 

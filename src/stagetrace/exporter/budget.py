@@ -1,0 +1,133 @@
+"""The export budget: how many traces a second leave the process, whatever the load.
+
+``sampling.decide`` says why a trace is worth exporting (slow, diagnosed, errored, the healthy share). At
+saturation nearly every trace is slow or diagnosed, so that alone makes export grow with load, exactly
+when the host is short of CPU. The budget bounds it, before anything is built for export:
+
+- a global token bucket (``Settings.export_budget_per_s``, burst ``export_budget_burst``) with priorities:
+  an errored trace may take its last tokens, a slow or diagnosed one only while a quarter of the burst is
+  left, a healthy sample only while half is;
+- a bucket per *signature* (root name or route, bottleneck stage, the sorted diagnosis codes; one exporter
+  serves one service), so that one frequent kind of trace cannot spend the whole budget on copies of
+  itself and rare kinds still get through;
+- the slowest trace of each signature in each minute is kept first: the first of the minute, then any
+  that is slower than every trace kept before it in that minute by ``SLOWEST_MARGIN`` (so what is kept
+  holds the minute's slowest within that margin, at a handful of traces a minute per signature). These
+  may overdraw the global bucket by up to one burst; the traces after them wait for the debt to be
+  repaid, so over any long window no more than ``per_s`` a second (plus two bursts) leave.
+
+Pure: the caller passes the time. Memory is bounded by ``max_signatures`` (least recently seen forgotten).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from stagetrace.exporter.sampling import Keep
+
+SLOWEST_MARGIN = 1.25  # a later trace of the minute is "the slowest so far" when this much slower
+MINUTE_S = 60.0
+# The share of the global burst that only higher priorities may spend (errors spend everything).
+_RESERVE = {Keep.ERROR: 0.0, Keep.SLOW: 0.25, Keep.DIAGNOSED: 0.25, Keep.HEALTHY_SAMPLE: 0.5}
+
+Signature = tuple[str, str, tuple[str, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetLimits:
+    """``per_s`` None: no budget (every trace ``decide`` keeps is exported, e.g. for a Collector's own tail
+    sampling)."""
+
+    per_s: float | None = 20.0
+    burst: float = 40.0
+    signature_per_s: float = 5.0
+    signature_burst: float = 10.0
+    max_signatures: int = 1024
+
+
+class TokenBucket:
+    __slots__ = ("burst", "last", "rate", "tokens")
+
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst
+        self.last = now
+
+    def refill(self, now: float) -> float:
+        if now > self.last:
+            self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+            self.last = now
+        return self.tokens
+
+
+class _SignatureState:
+    __slots__ = ("bucket", "minute", "minute_max_ms")
+
+    def __init__(self, bucket: TokenBucket) -> None:
+        self.bucket = bucket
+        self.minute = -1
+        self.minute_max_ms = 0.0
+
+
+class ExportBudget:
+    """``admit`` turns a keep reason into the final decision: the reason itself, or ``Keep.BUDGET``."""
+
+    def __init__(self, limits: BudgetLimits, now: float) -> None:
+        self.limits = limits
+        self.global_bucket = TokenBucket(limits.per_s or 0.0, limits.burst, now)
+        self._signatures: OrderedDict[Signature, _SignatureState] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._signatures)
+
+    def admit(self, keep: Keep, signature: Signature, total_ms: float, now: float) -> Keep:
+        if not keep.kept or self.limits.per_s is None:
+            return keep
+        state = self._state(signature, now)
+        bucket = self.global_bucket
+        bucket.refill(now)
+        if self._slowest_of_minute(state, total_ms, now):
+            # First of all: it may overdraw the global bucket (the others then wait for the debt to be
+            # repaid, so the long-run rate holds), down to one burst of debt.
+            if bucket.tokens <= -self.limits.burst:
+                return Keep.BUDGET
+            bucket.tokens -= 1.0
+            return keep
+        reserve = _RESERVE.get(keep, 0.5) * self.limits.burst
+        if bucket.tokens < 1.0 + reserve:
+            return Keep.BUDGET
+        if keep is not Keep.ERROR:  # errors are not rationed per signature: a failing kind is always news
+            if state.bucket.refill(now) < 1.0:
+                return Keep.BUDGET
+            state.bucket.tokens -= 1.0
+        bucket.tokens -= 1.0
+        return keep
+
+    def _state(self, signature: Signature, now: float) -> _SignatureState:
+        state = self._signatures.get(signature)
+        if state is None:
+            limits = self.limits
+            state = _SignatureState(TokenBucket(limits.signature_per_s, limits.signature_burst, now))
+            self._signatures[signature] = state
+            if len(self._signatures) > limits.max_signatures:
+                self._signatures.popitem(last=False)
+        else:
+            self._signatures.move_to_end(signature)
+        return state
+
+    @staticmethod
+    def _slowest_of_minute(state: _SignatureState, total_ms: float, now: float) -> bool:
+        minute = int(now // MINUTE_S)
+        if minute != state.minute:
+            state.minute, state.minute_max_ms = minute, total_ms
+            return True
+        if total_ms >= state.minute_max_ms * SLOWEST_MARGIN and total_ms > state.minute_max_ms:
+            state.minute_max_ms = total_ms
+            return True
+        return False
+
+
+def signature_of(root_name: str, route: str | None, bottleneck: str | None, codes: tuple[str, ...]) -> Signature:
+    return (route or root_name, bottleneck or "", tuple(sorted(codes)))
