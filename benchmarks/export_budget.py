@@ -73,14 +73,7 @@ def _share(value: float) -> str:
 
 
 def main() -> None:
-    s = Settings()
-    limits = BudgetLimits(
-        per_s=s.export_budget_per_s,
-        burst=s.export_budget_burst,
-        signature_per_s=s.signature_budget_per_s,
-        signature_burst=s.signature_budget_burst,
-        max_signatures=s.max_budget_signatures,
-    )
+    limits = BudgetLimits.from_settings(Settings())
     loads = [int(a) for a in sys.argv[1:]] or [10, 100, 1000, 10_000]
     print(f"export budget {limits.per_s}/s (burst {limits.burst}), {limits.signature_per_s}/s per signature")
     print(

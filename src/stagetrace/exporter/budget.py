@@ -25,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from stagetrace.exporter.sampling import Keep
+from stagetrace.settings import Settings
 
 SLOWEST_MARGIN = 1.25  # a later trace of the minute is "the slowest so far" when this much slower
 MINUTE_S = 60.0
@@ -44,6 +45,16 @@ class BudgetLimits:
     signature_per_s: float = 5.0
     signature_burst: float = 10.0
     max_signatures: int = 1024
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> BudgetLimits:
+        return cls(
+            per_s=settings.export_budget_per_s,
+            burst=settings.export_budget_burst,
+            signature_per_s=settings.signature_budget_per_s,
+            signature_burst=settings.signature_budget_burst,
+            max_signatures=settings.max_budget_signatures,
+        )
 
 
 class TokenBucket:

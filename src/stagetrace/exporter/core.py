@@ -68,16 +68,7 @@ class ExporterCore:
         self._gil_wait_bound_ms = None if settings.gil_wait_bound_s is None else settings.gil_wait_bound_s * 1e3
         self.decisions = RecentDecisions()
         self.batches = PendingBatches(self.decisions, settings.batch_keep_wait_s, settings.max_pending_batches)
-        self.budget = ExportBudget(
-            BudgetLimits(
-                per_s=settings.export_budget_per_s,
-                burst=settings.export_budget_burst,
-                signature_per_s=settings.signature_budget_per_s,
-                signature_burst=settings.signature_budget_burst,
-                max_signatures=settings.max_budget_signatures,
-            ),
-            time.monotonic(),
-        )
+        self.budget = ExportBudget(BudgetLimits.from_settings(settings), time.monotonic())
         self._new_span_id = random.Random().getrandbits  # ids for spans the exporter adds (link chunks)
         self.handled = 0  # traces, stages and spans handled (acknowledged to the application)
         self._slow_log = RateLimitedLog(per_interval=settings.slow_log_per_minute, interval_s=60.0)
