@@ -18,9 +18,10 @@ from stagetrace.gpu import attach_gpu
 
 @pytest.fixture
 def gpu_world(make_harness):
-    def make(nvml=None, **kwargs):
+    def make(nvml=None, virtual_clock=False, **kwargs):
+        """``virtual_clock``: device times exactly as launched, whatever the host's load (tests/fakes.py)."""
         h = make_harness(gpu=False, **kwargs)
-        backend = FakeCudaBackend()
+        backend = FakeCudaBackend(FakeGpu(virtual_clock=virtual_clock))
         support = attach_gpu(
             h.handle.runtime, backend=backend, nvml=nvml, nvml_enabled=nvml is not None, nvml_poll_interval_s=0.02
         )
@@ -45,7 +46,7 @@ def classic_pipeline(gpu: FakeGpu):
 
 
 def test_gpu_time_charged_to_the_stage_that_did_the_work(gpu_world):
-    h, gpu, _ = gpu_world()
+    h, gpu, _ = gpu_world(virtual_clock=True)
     with stagetrace.pipeline("request"):
         classic_pipeline(gpu)
     v = h.wait_verdicts(1)[0]
