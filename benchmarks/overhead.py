@@ -1,6 +1,7 @@
-"""Per-stage overhead, measured side by side in one run (issue 2, item 9).
+"""Per-stage overhead, measured side by side in one run.
 
     python benchmarks/overhead.py [--pipelines 2000] [--stages 8] [--rounds 5]
+    python benchmarks/overhead.py --instructions [--pipelines 150]   # valgrind: instructions, per thread
 
 (a) the classic dict profiler: two perf_counter_ns calls and a dict store per stage;
 (b) one OpenTelemetry SDK span per stage (start_as_current_span) with BatchSpanProcessor and a no-op exporter;
@@ -11,6 +12,14 @@
 Each is the median over interleaved rounds of (time with K stages - time with 0 stages) / (pipelines * K),
 so the per-pipeline root cost is subtracted. Targets: (c) <= 0.1 x (b); (d) <= 0.5 x (b). Timings are
 CPU time, which is steadier than wall time on a shared VM.
+
+``--instructions`` counts CPU instructions instead (valgrind's callgrind, one count per thread and per
+process), which move well under 1 % between runs where CPU times move 20 %: each variant runs a root and
+five children N and 2N times, so start-up cancels, and once more with no children, so the root cancels.
+Counted apart: the request thread, the application's other threads (the helper thread: packing and the
+pipe; the GIL sampler is off, since it wakes on wall time, which valgrind stretches) and the exporter
+process (analysis, metrics, spans and OTLP encoding of every trace, sent to a sink that drops them).
+Needs ``apt-get install valgrind``.
 """
 
 from __future__ import annotations
@@ -100,12 +109,185 @@ def encode_one_span_us(sample: int = 4096) -> float:
     return (time.process_time_ns() - t0) / len(spans) / 1000
 
 
+# --- instruction counts (--instructions) ------------------------------------------------------------------
+
+CHILDREN = 5
+INSTRUCTION_VARIANTS = {
+    # name: (label, children are stages or spans, STAGETRACE_LIGHT_SPANS)
+    "sdk": ("OTel SDK: root + spans, BatchSpanProcessor, no-op exporter", "spans", None),
+    "stages": ("stagetrace: root + stages", "stages", "on"),
+    "light": ("stagetrace: root + other instrumentations' spans (light spans)", "spans", "on"),
+    "sdk-spans": ("stagetrace: root + other instrumentations' spans, STAGETRACE_LIGHT_SPANS=off", "spans", "off"),
+}
+
+
+def instruction_workload(variant: str, children: int, pipelines: int) -> None:
+    """One counted run: ``pipelines`` roots with ``children`` children each, everything flushed, no shutdown
+    (its deadline is wall time, which valgrind stretches)."""
+    _, kind, light = INSTRUCTION_VARIANTS[variant]
+    names = STAGE_NAMES[:children]
+    if light is None:
+        provider = TracerProvider(shutdown_on_exit=False)
+        provider.add_span_processor(BatchSpanProcessor(NoopExporter()))
+        flush: Callable[[], object] = provider.force_flush
+    else:
+        os.environ["STAGETRACE_LIGHT_SPANS"] = light
+        settings = stagetrace.Settings(gil_sampler_period_s=0, healthy_sample=1.0, export_budget_per_s=None)
+        handle = stagetrace.configure("bench", set_global=False, settings=settings)
+        provider = handle.tracer_provider
+
+        def flush() -> object:
+            return handle.force_flush(600)
+
+    tracer = provider.get_tracer("bench")
+    stages = [stagetrace.stage(n) for n in names]
+    for _ in range(pipelines):
+        with tracer.start_as_current_span("request"):
+            if kind == "stages":
+                for st in stages:
+                    with st:
+                        pass
+            else:
+                for name in names:
+                    with tracer.start_as_current_span(name):
+                        pass
+    flush()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _callgrind_counts(directory: str) -> dict[str, int]:
+    """Instructions of the workload's main thread, its other threads, and its child processes, from
+    callgrind's per-thread files (``cg.<pid>-<thread>``, thread 1 the main thread)."""
+    import glob
+
+    per_pid: dict[int, dict[int, int]] = {}
+    for path in glob.glob(os.path.join(directory, "cg.*")):
+        pid, dash, thread = path.rsplit("cg.", 1)[1].partition("-")
+        if not dash:
+            continue  # the per-process file, empty with --separate-threads
+        with open(path) as f:
+            total = next((int(line.split()[1]) for line in f if line.startswith("summary:")), 0)
+        per_pid.setdefault(int(pid), {})[int(thread)] = total
+    app = min(per_pid)  # the workload started first: the lowest pid
+    threads = per_pid.pop(app)
+    return {
+        "request": threads.get(1, 0),
+        "helper": sum(v for t, v in threads.items() if t != 1),
+        "exporter": sum(sum(t.values()) for t in per_pid.values()),
+    }
+
+
+def count_instructions(variant: str, children: int, pipelines: int, env: dict[str, str]) -> dict[str, int]:
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        command = [
+            "valgrind",
+            "--tool=callgrind",
+            "--separate-threads=yes",
+            "--trace-children=yes",
+            f"--callgrind-out-file={directory}/cg.%p",
+            f"--log-file={directory}/vg.%p",
+            sys.executable,
+            os.path.abspath(__file__),
+            "--workload",
+            variant,
+            "--children",
+            str(children),
+            "--pipelines",
+            str(pipelines),
+        ]
+        subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+        return _callgrind_counts(directory)
+
+
+def instructions_main(pipelines: int) -> int:
+    import shutil
+    import subprocess
+    import tempfile
+
+    if shutil.which("valgrind") is None:
+        print("--instructions needs valgrind (apt-get install valgrind)", file=sys.stderr)
+        return 2
+    from e2e import _free_port
+
+    from stagetrace.testing.load import wait_for_port
+
+    sink_port = _free_port()
+    here = os.path.dirname(os.path.abspath(__file__))
+    sink = subprocess.Popen([sys.executable, os.path.join(here, "e2e.py"), "sink", str(sink_port)])
+    out_dir = tempfile.mkdtemp(prefix="stagetrace-icount-")
+    env = dict(
+        os.environ,
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{sink_port}",
+        OTEL_METRICS_EXPORTER="none",
+        STAGETRACE_OUTPUT_DIR=out_dir,
+        PYTHONHASHSEED="0",
+    )
+    try:
+        wait_for_port(sink_port, sink, timeout_s=30)
+        per_unit: dict[tuple[str, int], dict[str, float]] = {}
+        for variant in INSTRUCTION_VARIANTS:
+            for children in (0, CHILDREN):
+                if children == 0 and variant not in ("sdk", "stages"):
+                    continue  # stagetrace's root is the same in every stagetrace variant
+                small = count_instructions(variant, children, pipelines, env)
+                large = count_instructions(variant, children, 2 * pipelines, env)
+                per_unit[(variant, children)] = {k: (large[k] - small[k]) / pipelines for k in small}
+    finally:
+        sink.terminate()
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+    def per_child(variant: str, part: str) -> float:
+        root = per_unit[("sdk" if variant == "sdk" else "stages", 0)][part]
+        return (per_unit[(variant, CHILDREN)][part] - root) / CHILDREN
+
+    sdk_child = per_child("sdk", "request")
+    stage = per_child("stages", "request")
+    print(
+        f"instructions per child span or stage (callgrind; {pipelines} and {2 * pipelines} pipelines of a root "
+        f"and {CHILDREN} children, less the root alone), python {sys.version.split()[0]}"
+    )
+    print(f"{'variant':72} {'request':>9} {'x SDK':>6} {'x stage':>8} {'helper':>8} {'exporter':>9}")
+    for variant, (label, _, _) in INSTRUCTION_VARIANTS.items():
+        req = per_child(variant, "request")
+        print(
+            f"{label:72} {req / 1e3:8.1f}k {req / sdk_child:6.2f} {req / stage:8.2f} "
+            f"{per_child(variant, 'helper') / 1e3:7.1f}k {per_child(variant, 'exporter') / 1e3:8.1f}k"
+        )
+    root_st = per_unit[("stages", 0)]
+    root_sdk = per_unit[("sdk", 0)]
+    print(
+        f"root alone: stagetrace {root_st['request'] / 1e3:.1f}k request / {root_st['helper'] / 1e3:.1f}k helper / "
+        f"{root_st['exporter'] / 1e3:.1f}k exporter; SDK {root_sdk['request'] / 1e3:.1f}k request"
+    )
+    light = per_child("light", "request")
+    print(
+        f"target: a stage <= 0.2 x an SDK span: {'PASS' if stage <= 0.2 * sdk_child else 'FAIL'} "
+        f"({stage / sdk_child:.2f} x)"
+    )
+    print(
+        f"target: another instrumentation's span <= 1.5 x a stage: {'PASS' if light <= 1.5 * stage else 'FAIL'} "
+        f"({light / stage:.2f} x)"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pipelines", type=int, default=2000)
     ap.add_argument("--stages", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--instructions", action="store_true", help="count instructions under valgrind instead")
+    ap.add_argument("--workload", choices=sorted(INSTRUCTION_VARIANTS), help=argparse.SUPPRESS)
+    ap.add_argument("--children", type=int, default=CHILDREN, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.workload:
+        instruction_workload(args.workload, args.children, args.pipelines)
+    if args.instructions:
+        return instructions_main(args.pipelines if args.pipelines != 2000 else 150)
     p, k = args.pipelines, args.stages
 
     sdk_tp = TracerProvider(shutdown_on_exit=False)

@@ -224,3 +224,46 @@ def test_a_wait_for_a_lock_held_by_a_sleeping_thread_is_proven_not_the_gil():
     stage = _measured(lambda: lock.acquire() and lock.release())  # type: ignore[func-returns-value]
     t.join()
     assert stage.blocked_ms > 30.0 and stage.not_gil_ms > 0.5 * stage.blocked_ms, vars(stage)
+
+
+def test_what_light_spans_read_of_the_sdk_tracer(monkeypatch):
+    """``capture/tracer.py`` reads the SDK tracer's limits, scope, configurator switch and self-metrics,
+    asks ParentBased for its delegates and changes the tracer's class in place."""
+    from opentelemetry.sdk.trace import SpanLimits, Tracer, TracerProvider
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, TraceIdRatioBased
+
+    from stagetrace._compat import (
+        become_capture_tracer,
+        clean_attribute_value_as_sdk,
+        follows_local_parent,
+        tracer_counts_its_spans,
+        tracer_enabled,
+        tracer_scope,
+        tracer_span_limits,
+    )
+
+    limits = SpanLimits(max_span_attributes=3)
+    tracer = TracerProvider(span_limits=limits, shutdown_on_exit=False).get_tracer("lib", "1.0")
+    assert tracer_span_limits(tracer) is limits
+    assert (tracer_scope(tracer).name, tracer_scope(tracer).version) == ("lib", "1.0")
+    assert tracer_enabled(tracer) is True
+    assert tracer_counts_its_spans(tracer) is False
+    monkeypatch.setenv("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "true")
+    counting = TracerProvider(shutdown_on_exit=False).get_tracer("lib")
+    assert tracer_counts_its_spans(counting) is True
+
+    assert follows_local_parent(ParentBased(ALWAYS_ON)) and follows_local_parent(ParentBased(ALWAYS_OFF))
+    assert not follows_local_parent(ParentBased(ALWAYS_ON, local_parent_sampled=TraceIdRatioBased(0.5)))
+    assert not follows_local_parent(ParentBased(ALWAYS_ON, local_parent_not_sampled=ALWAYS_ON))
+    assert not follows_local_parent(ALWAYS_ON)
+
+    assert clean_attribute_value_as_sdk("abcdef", 3) == "abc"
+    assert clean_attribute_value_as_sdk(["ab", 1], None) == ("ab", 1)
+    assert clean_attribute_value_as_sdk({"k": ["x"]}, None) == {"k": ("x",)}
+
+    class Sub(Tracer):
+        pass
+
+    assert become_capture_tracer(tracer, Sub) and type(tracer) is Sub
+    assert not become_capture_tracer(tracer, Sub)  # already changed: not exactly the SDK's class
+

@@ -15,10 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from typing import Any
 
+from opentelemetry import attributes as _otel_attributes
 from opentelemetry import context as otel_context
 from opentelemetry import metrics as metrics_api
-from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import Tracer as SdkTracer
 from opentelemetry.sdk.trace.sampling import Sampler
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, TraceFlags, propagation
 
 # --- the API's context: read and set on every stage entry and exit ---------------------------------------
@@ -125,6 +128,74 @@ def sampler_from_env() -> Sampler:
     from opentelemetry.sdk.trace import sampling
 
     return sampling._get_from_env_or_default()
+
+
+# --- the SDK's tracer: light spans for the spans inside held traces (capture/tracer.py) -----------------
+
+clean_attribute_value_as_sdk: Callable[[Any, int | None], Any] = _otel_attributes._clean_attribute_value
+"""OpenTelemetry's own attribute cleaning (``opentelemetry.attributes._clean_attribute_value``: which types
+are kept, sequences made tuples, strings cut, with its warnings), so a light span keeps exactly what an SDK
+span keeps. The public ``BoundedAttributes`` does the same at ten times the cost."""
+
+
+def become_capture_tracer(tracer: Any, cls: type) -> bool:
+    """Make an SDK ``Tracer`` an instance of ``cls``, a subclass that adds no state of its own, in place: the
+    provider keeps it in its cache (``_tracers``) and updates it (resource after a fork, tracer
+    configurator), which a wrapper would miss. False when it is not exactly the SDK's class."""
+    if type(tracer) is not SdkTracer or not issubclass(cls, SdkTracer):
+        return False
+    tracer.__class__ = cls
+    return True
+
+
+def tracer_span_limits(tracer: Any) -> SpanLimits:
+    """The provider's span limits the tracer applies (``_span_limits``)."""
+    limits = tracer._span_limits
+    if not isinstance(limits, SpanLimits):  # pragma: no cover - a layout change; test_compat fails first
+        raise TypeError("unexpected span limits")
+    return limits
+
+
+def tracer_scope(tracer: Any) -> InstrumentationScope:
+    """The tracer's instrumentation scope (``_instrumentation_scope``)."""
+    scope = tracer._instrumentation_scope
+    if not isinstance(scope, InstrumentationScope):  # pragma: no cover - a layout change; test_compat fails first
+        raise TypeError("unexpected instrumentation scope")
+    return scope
+
+
+def tracer_enabled(tracer: Any) -> bool:
+    """Is the tracer enabled by the provider's tracer configurator (``_is_enabled``, SDK 1.38+)? A disabled
+    tracer's spans are non-recording."""
+    is_enabled = getattr(tracer, "_is_enabled", None)
+    return bool(is_enabled()) if is_enabled is not None else True
+
+
+def tracer_counts_its_spans(tracer: Any) -> bool:
+    """Does the tracer record the SDK's own span metrics (``_tracer_metrics``, on with
+    ``OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED``)? Those count SDK spans: such a tracer keeps them."""
+    from opentelemetry.sdk.trace._tracer_metrics import NoOpTracerMetrics
+
+    metrics = getattr(tracer, "_tracer_metrics", None)
+    return metrics is not None and not isinstance(metrics, NoOpTracerMetrics)
+
+
+def follows_local_parent(sampler: Any) -> bool:
+    """Is ``sampler`` a ``ParentBased`` whose local-parent delegates are the defaults (``_local_parent_sampled``
+    always on, ``_local_parent_not_sampled`` always off, ``StaticSampler._decision``)? Then a child of a local
+    parent is sampled exactly when its parent is, and the sampler need not be asked per span."""
+    from opentelemetry.sdk.trace.sampling import Decision, ParentBased, StaticSampler
+
+    if not isinstance(sampler, ParentBased):
+        return False
+    sampled = getattr(sampler, "_local_parent_sampled", None)
+    not_sampled = getattr(sampler, "_local_parent_not_sampled", None)
+    return (
+        type(sampled) is StaticSampler
+        and type(not_sampled) is StaticSampler
+        and getattr(sampled, "_decision", None) is Decision.RECORD_AND_SAMPLE
+        and getattr(not_sampled, "_decision", None) is Decision.DROP
+    )
 
 
 # --- the API's global meter provider ---------------------------------------------------------------------

@@ -41,15 +41,26 @@ def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def export_process_from_env() -> bool:
-    """``STAGETRACE_EXPORT_PROCESS``: ``on`` (default) runs the exporter in its own process; ``off`` on a
-    thread of the application, for environments that forbid subprocesses."""
-    raw = os.environ.get("STAGETRACE_EXPORT_PROCESS", "").strip().lower()
+def _switch_from_env(name: str) -> bool:
+    """An on/off variable that defaults to on; anything else is an error, not a silent default."""
+    raw = os.environ.get(name, "").strip().lower()
     if raw in ("", "1", "true", "yes", "on"):
         return True
     if raw in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"STAGETRACE_EXPORT_PROCESS must be on or off, got {raw!r}")
+    raise ValueError(f"{name} must be on or off, got {raw!r}")
+
+
+def export_process_from_env() -> bool:
+    """``STAGETRACE_EXPORT_PROCESS``: ``on`` (default) runs the exporter in its own process; ``off`` on a
+    thread of the application, for environments that forbid subprocesses."""
+    return _switch_from_env("STAGETRACE_EXPORT_PROCESS")
+
+
+def light_spans_from_env() -> bool:
+    """``STAGETRACE_LIGHT_SPANS``: ``on`` (default) records other instrumentations' spans inside a held trace
+    as light spans, built as SDK spans in the exporter process; ``off`` builds SDK spans in the application."""
+    return _switch_from_env("STAGETRACE_LIGHT_SPANS")
 
 
 def _number_from_env(name: str, default: float, describe: str, valid: Callable[[float], bool]) -> float:
@@ -115,6 +126,9 @@ class Settings:
     loop_lag_interval_s: float = 0.050
     # Where the work after capture runs: an exporter process (True) or a thread of the application.
     export_process: bool = field(default_factory=export_process_from_env)
+    # Spans other instrumentations open inside a held trace recorded at stage cost (capture/light_spans.py)
+    # and built as SDK spans by the exporter; False: SDK spans in the application.
+    light_spans: bool = field(default_factory=light_spans_from_env)
     # Share of healthy traces (not slow, not diagnosed, no error) exported in full; metrics see them all.
     healthy_sample: float = field(default_factory=healthy_sample_from_env)
     channel_buffer_bytes: int = 8 * 2**20  # application-side bytes waiting for the pipe, at most

@@ -31,6 +31,7 @@ from stagetrace._compat import (
 )
 from stagetrace._safety import logger
 from stagetrace.analysis import DiagnosisThresholds, Verdict
+from stagetrace.capture.tracer import CaptureTracerProvider
 from stagetrace.export.env import (
     metric_export_from_env,
     metric_readers_from_env,
@@ -174,7 +175,7 @@ def configure(
         _as_list(metric_reader),
         traces_path,
     )
-    tracer_provider = TracerProvider(
+    tracer_provider = CaptureTracerProvider(
         resource=resource,
         sampler=LocalRootRecordingSampler(sampler or sampler_from_env()),
         shutdown_on_exit=False,
@@ -202,6 +203,7 @@ def configure(
         on_verdict=callbacks,
         exporter_config=exporter_config,
     )
+    tracer_provider.bind(runtime, light_spans=settings.light_spans)
     if gpu is not False:
         _enable_gpu(runtime, required=gpu is True)
     handle = StagetraceHandle(runtime, tracer_provider, meter_provider, plan.file_path, exporters=plan.app_exporters)

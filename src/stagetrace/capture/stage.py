@@ -23,6 +23,7 @@ from stagetrace._compat import SPAN_KEY as _SPAN_KEY
 from stagetrace._compat import running_loop_or_none as _get_running_loop
 from stagetrace._compat import runtime_context_var, span_context_is_a_plain_tuple
 from stagetrace._safety import report_internal_error, warn_once
+from stagetrace.capture.light_spans import LightSpan
 from stagetrace.capture.loopblocks import note_loop_block
 from stagetrace.capture.records import StageRecord
 from stagetrace.conventions import RESERVED_STAGE_NAMES, STAGE_KINDS
@@ -56,6 +57,9 @@ else:  # pragma: no cover - exercised only with a custom runtime context
     _get_context = get_current
     _set_context = attach
     _cv_reset = detach
+
+current_context = _get_context
+"""The current OpenTelemetry context, read the way a stage entry reads it (the ContextVar directly)."""
 
 
 def validate_stage_name(name: object) -> str:
@@ -132,7 +136,8 @@ def enter_stage(name: str, kind: str, owner: Any = None, *, sync: bool = True) -
         ctx = _get_context()
         span = ctx.get(_SPAN_KEY)
         implicit = None
-        if type(span) is StageRecord:  # nested stage: read the parent directly, no SpanContext needed
+        span_type = type(span)
+        if span_type is StageRecord or span_type is LightSpan:  # read the parent directly, no SpanContext
             trace_id, parent_span_id = span.trace_id, span.span_id
             flags, state = span.trace_flags, span.trace_state
         else:

@@ -130,6 +130,8 @@ def stage_span(
         flags,
         trace_state,
         0,
+        0,
+        0,
     )
 
 

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from opentelemetry.sdk.trace import ReadableSpan
 
 from stagetrace._safety import at_fork_in_child, report_internal_error
+from stagetrace.capture.light_spans import LightSpan
 from stagetrace.capture.records import StageRecord, TraceRecord
 from stagetrace.exporter.metrics import MetricsRecorder
 from stagetrace.exporter.signals import flatten
@@ -71,6 +72,11 @@ class _LoneSpan:
 
     def __init__(self, span: ReadableSpan) -> None:
         self.span = span
+
+
+def pack_any_span(span: Any) -> tuple[Any, ...]:
+    """An SDK span or a light span (``capture/light_spans.py``) as its wire tuple."""
+    return span.wire_tuple() if type(span) is LightSpan else wire.pack_span(span)
 
 
 def resolve_gpu_once(gpu: GpuHooks, rec: Any, offset: int, not_after_ns: int | None = None) -> None:
@@ -329,7 +335,7 @@ class Shipper:
             if isinstance(item, StageRecord):
                 messages.append(self._pack_lone_stage(item))
             elif isinstance(item, _LoneSpan):
-                messages.append((wire.LONE_SPAN, wire.pack_span(item.span)))
+                messages.append((wire.LONE_SPAN, pack_any_span(item.span)))
             else:
                 messages.append(self._pack_trace(*item))
         except Exception:
@@ -373,7 +379,7 @@ class Shipper:
             gpu_utilization,
             packed_root,
             tuple(map(fanout.pack_member_stage if tickets else wire.pack_stage, stages)),
-            tuple(map(wire.pack_span, others)),
+            tuple(map(pack_any_span, others)),
             trace.loop_thread,
             tuple(worker_runs),
         )

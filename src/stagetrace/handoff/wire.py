@@ -182,11 +182,14 @@ SPAN_FIELDS = (
     "flags",
     "trace_state",  # W3C header form
     "dropped_attributes",
+    "dropped_events",
+    "dropped_links",
 )
 SPAN_INDEX = {name: i for i, name in enumerate(SPAN_FIELDS)}
 SPAN_NAME, SPAN_TRACE_ID, SPAN_ID = 0, 1, 2
 SPAN_START, SPAN_END, SPAN_ATTRIBUTES, SPAN_EVENTS = 6, 7, 8, 9
 SPAN_STATUS = 11
+_SPAN_COUNTS = tuple(SPAN_INDEX[f] for f in ("dropped_attributes", "dropped_events", "dropped_links"))
 assert SPAN_FIELDS[SPAN_START] == "start_ns" and SPAN_FIELDS[SPAN_ATTRIBUTES] == "attributes"
 assert SPAN_FIELDS[SPAN_EVENTS] == "events" and SPAN_FIELDS[SPAN_STATUS] == "status_code"
 
@@ -237,6 +240,8 @@ def pack_span(span: ReadableSpan) -> tuple[Any, ...]:
         int(ctx.trace_flags),
         trace_state_header(ctx.trace_state),
         span.dropped_attributes,
+        span.dropped_events,
+        span.dropped_links,
     )
 
 
@@ -246,14 +251,24 @@ def member_link(trace_id: int, span_id: int, flags: int, trace_state: str, index
 
 
 class RebuiltSpan(ReadableSpan):
-    """A span rebuilt from its wire tuple, keeping the original's dropped-attribute count. Its attributes
-    are a plain dict: they were validated by the SDK (or built clean) where the span was made."""
+    """A span rebuilt from its wire tuple, keeping the original's counts of what its limits dropped. Its
+    attributes are a plain dict: they were validated by the SDK (or built clean) where the span was made."""
 
     _dropped_attributes = 0
+    _dropped_events = 0
+    _dropped_links = 0
 
     @property
     def dropped_attributes(self) -> int:
         return self._dropped_attributes
+
+    @property
+    def dropped_events(self) -> int:
+        return self._dropped_events
+
+    @property
+    def dropped_links(self) -> int:
+        return self._dropped_links
 
 
 class StableResource(Resource):
@@ -306,6 +321,8 @@ def to_readable(packed: Sequence[Any], resource: Resource) -> ReadableSpan:
         flags,
         trace_state,
         dropped_attributes,
+        dropped_events,
+        dropped_links,
     ) = packed
     trace_flags = TraceFlags(flags)
     state = parse_trace_state(trace_state)
@@ -325,6 +342,8 @@ def to_readable(packed: Sequence[Any], resource: Resource) -> ReadableSpan:
         instrumentation_scope=_scope(scope_name, scope_version),
     )
     span._dropped_attributes = dropped_attributes
+    span._dropped_events = dropped_events
+    span._dropped_links = dropped_links
     return span
 
 
@@ -337,6 +356,8 @@ def check_span(packed: Any) -> tuple[Any, ...]:
     if not isinstance(packed[SPAN_START], int) or not isinstance(packed[SPAN_END], int):
         raise ValueError("malformed span record")
     if not isinstance(packed[SPAN_ATTRIBUTES], dict) or not isinstance(packed[SPAN_EVENTS], tuple):
+        raise ValueError("malformed span record")
+    if not all(type(packed[i]) is int for i in _SPAN_COUNTS):
         raise ValueError("malformed span record")
     return packed
 
