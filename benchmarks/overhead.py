@@ -122,22 +122,37 @@ INSTRUCTION_VARIANTS = {
 
 
 def instruction_workload(variant: str, children: int, pipelines: int) -> None:
-    """One counted run: ``pipelines`` roots with ``children`` children each, everything flushed, no shutdown
-    (its deadline is wall time, which valgrind stretches)."""
+    """One counted run: ``pipelines`` roots with ``children`` children each, everything flushed and shut
+    down (with a deadline long enough for valgrind's pace)."""
     _, kind, light = INSTRUCTION_VARIANTS[variant]
     names = STAGE_NAMES[:children]
     if light is None:
         provider = TracerProvider(shutdown_on_exit=False)
         provider.add_span_processor(BatchSpanProcessor(NoopExporter()))
-        flush: Callable[[], object] = provider.force_flush
+
+        def finish() -> None:
+            provider.shutdown()
+
     else:
+        from stagetrace.handoff import shipper
+
+        # The helper thread works when the flush asks, not on its wall-clock schedule (which valgrind
+        # stretches): its count is then its work, packing and writing, not its wake-ups.
+        shipper.FLUSH_POLL_S = 1.0  # type: ignore[attr-defined]
         os.environ["STAGETRACE_LIGHT_SPANS"] = light
-        settings = stagetrace.Settings(gil_sampler_period_s=0, healthy_sample=1.0, export_budget_per_s=None)
+        settings = stagetrace.Settings(
+            gil_sampler_period_s=0,
+            healthy_sample=1.0,
+            export_budget_per_s=None,
+            poll_interval_s=3600.0,
+            shutdown_timeout_s=600.0,  # the exporter ends on its own, so that its count is written
+        )
         handle = stagetrace.configure("bench", set_global=False, settings=settings)
         provider = handle.tracer_provider
 
-        def flush() -> object:
-            return handle.force_flush(600)
+        def finish() -> None:
+            handle.force_flush(600)
+            handle.shutdown()
 
     tracer = provider.get_tracer("bench")
     stages = [stagetrace.stage(n) for n in names]
@@ -151,7 +166,7 @@ def instruction_workload(variant: str, children: int, pipelines: int) -> None:
                 for name in names:
                     with tracer.start_as_current_span(name):
                         pass
-    flush()
+    finish()
     sys.stdout.flush()
     os._exit(0)
 

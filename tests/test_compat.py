@@ -237,7 +237,7 @@ def test_what_light_spans_read_of_the_sdk_tracer(monkeypatch):
         clean_attribute_value_as_sdk,
         follows_local_parent,
         tracer_counts_its_spans,
-        tracer_enabled,
+        tracer_enabled_check,
         tracer_scope,
         tracer_span_limits,
     )
@@ -246,7 +246,7 @@ def test_what_light_spans_read_of_the_sdk_tracer(monkeypatch):
     tracer = TracerProvider(span_limits=limits, shutdown_on_exit=False).get_tracer("lib", "1.0")
     assert tracer_span_limits(tracer) is limits
     assert (tracer_scope(tracer).name, tracer_scope(tracer).version) == ("lib", "1.0")
-    assert tracer_enabled(tracer) is True
+    assert tracer_enabled_check(tracer)() is True
     assert tracer_counts_its_spans(tracer) is False
     monkeypatch.setenv("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "true")
     counting = TracerProvider(shutdown_on_exit=False).get_tracer("lib")

@@ -366,3 +366,33 @@ def test_the_light_path_is_the_default_sampler_s_own(make_harness):
     assert tracer._capture_rules.follows_parent
     with tracer.start_as_current_span("request"), tracer.start_as_current_span("child") as child:
         assert not child.is_recording()
+
+
+def decorated_calls(tracer: Any) -> None:
+    import asyncio
+
+    @tracer.start_as_current_span("sync work", start_time=T0 + MS)
+    def work(x: int) -> int:
+        get_current_span().set_attribute("x", x)
+        return x * 2
+
+    @tracer.start_as_current_span("async work", start_time=T0 + 2 * MS)
+    async def async_work() -> str:
+        await asyncio.sleep(0)
+        get_current_span().set_attribute("awaited", True)
+        return "done"
+
+    root = tracer.start_span("request", start_time=T0)
+    with use_span(root, end_on_exit=False):
+        assert work(21) == 42
+        assert asyncio.run(async_work()) == "done"
+    root.end(end_time=T0 + 10 * MS)
+
+
+def test_start_as_current_span_as_a_decorator_exports_what_the_sdk_exports(make_harness):
+    expected = sdk_run(decorated_calls)
+    got = stagetrace_run(make_harness, decorated_calls)
+    for span in expected + got:
+        span["end"] = None  # the decorated functions end on the clock
+    assert got == expected
+    assert {s["name"] for s in got} == {"request", "sync work", "async work"}

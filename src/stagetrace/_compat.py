@@ -164,11 +164,16 @@ def tracer_scope(tracer: Any) -> InstrumentationScope:
     return scope
 
 
-def tracer_enabled(tracer: Any) -> bool:
-    """Is the tracer enabled by the provider's tracer configurator (``_is_enabled``, SDK 1.38+)? A disabled
-    tracer's spans are non-recording."""
+def tracer_enabled_check(tracer: Any) -> Callable[[], bool]:
+    """The tracer's own "am I enabled" check (``_is_enabled``, SDK 1.38+, which follows the provider's tracer
+    configurator, even when it changes later); always true on an SDK without one. A disabled tracer's spans
+    are non-recording."""
     is_enabled = getattr(tracer, "_is_enabled", None)
-    return bool(is_enabled()) if is_enabled is not None else True
+    return is_enabled if callable(is_enabled) else _always_true
+
+
+def _always_true() -> bool:
+    return True
 
 
 def tracer_counts_its_spans(tracer: Any) -> bool:

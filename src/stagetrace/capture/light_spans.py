@@ -69,29 +69,32 @@ class LightSpan(trace_api.Span):
 
     __slots__ = (
         "_attributes",
-        "_events",
-        "_links",
-        "_span_context",
-        "_status",
-        "dropped_attributes",
-        "dropped_events",
-        "dropped_links",
         "end_time",
         "instrumentation_scope",
         "kind",
         "limits",
         "name",
         "parent_span_id",
-        "record_exception_on_exit",
         "runtime",
         "span_id",
         "start_time",
-        "status_on_exit",
         "trace",
         "trace_flags",
         "trace_id",
         "trace_state",
     )
+
+    # Rarely set: class-level defaults, so a span's start does not pay to initialise them (the base class
+    # gives instances a __dict__, which holds them once set).
+    dropped_attributes = 0
+    dropped_events = 0
+    dropped_links = 0
+    _events: list[tuple[str, int, dict[str, Any]]] | None = None
+    _links: list[tuple[SpanContext, dict[str, Any]]] | None = None
+    _status: Status | None = None
+    _span_context: SpanContext | None = None
+    record_exception_on_exit = True  # False when started with record_exception=False
+    status_on_exit = True  # False when started with set_status_on_exception=False
 
     def __init__(
         self,
@@ -107,8 +110,6 @@ class LightSpan(trace_api.Span):
         scope: InstrumentationScope,
         trace: Any,
         runtime: Any,
-        record_exception: bool,
-        set_status_on_exception: bool,
     ) -> None:
         self.name = name
         self.trace_id = trace_id
@@ -123,16 +124,7 @@ class LightSpan(trace_api.Span):
         self.instrumentation_scope = scope
         self.trace = trace  # the TraceRecord of the held trace it belongs to
         self.runtime = runtime
-        self.record_exception_on_exit = record_exception
-        self.status_on_exit = set_status_on_exception
         self._attributes: dict[str, Any] = {}
-        self.dropped_attributes = 0
-        self._events: list[tuple[str, int, dict[str, Any]]] | None = None
-        self.dropped_events = 0
-        self._links: list[tuple[SpanContext, dict[str, Any]]] | None = None
-        self.dropped_links = 0
-        self._status: Status | None = None
-        self._span_context: SpanContext | None = None
 
     # --- what the span API promises ---------------------------------------------------------------------
     def get_span_context(self) -> SpanContext:

@@ -58,8 +58,12 @@ else:  # pragma: no cover - exercised only with a custom runtime context
     _set_context = attach
     _cv_reset = detach
 
+# The current OpenTelemetry context read, set and reset the way a stage entry does (the ContextVar directly,
+# when ``direct_context``), for the tracer's light path.
 current_context = _get_context
-"""The current OpenTelemetry context, read the way a stage entry reads it (the ContextVar directly)."""
+set_current_context = _set_context
+reset_current_context = _cv_reset
+direct_context = _CV is not None
 
 
 def validate_stage_name(name: object) -> str:
