@@ -267,3 +267,27 @@ def test_what_light_spans_read_of_the_sdk_tracer(monkeypatch):
     assert become_capture_tracer(tracer, Sub) and type(tracer) is Sub
     assert not become_capture_tracer(tracer, Sub)  # already changed: not exactly the SDK's class
 
+
+def test_what_the_aggregation_reads_of_a_metric_reader():
+    """``exporter/aggregation.py`` reads a reader's temporality preference and wraps its collect callback."""
+    from opentelemetry.sdk.metrics import Counter, Histogram, MeterProvider
+    from opentelemetry.sdk.metrics.export import AggregationTemporality, InMemoryMetricReader
+
+    from stagetrace._compat import reader_prefers_delta, set_reader_collect
+
+    assert reader_prefers_delta(InMemoryMetricReader()) == frozenset()
+    delta = InMemoryMetricReader(preferred_temporality={Histogram: AggregationTemporality.DELTA})
+    assert reader_prefers_delta(delta) == {"histogram"}
+    both = InMemoryMetricReader(
+        preferred_temporality={Histogram: AggregationTemporality.DELTA, Counter: AggregationTemporality.DELTA}
+    )
+    assert reader_prefers_delta(both) == {"histogram", "counter"}
+
+    reader = InMemoryMetricReader()
+    with pytest.raises(TypeError, match="registered"):
+        set_reader_collect(reader, lambda data: data)  # not yet registered with a provider
+    MeterProvider(metric_readers=[reader], shutdown_on_exit=False).get_meter("m").create_counter("c").add(1)
+    seen = []
+    set_reader_collect(reader, lambda data: seen.append(data) or data)
+    data = reader.get_metrics_data()
+    assert seen and seen[0] is data and data.resource_metrics[0].scope_metrics[0].metrics[0].name == "c"

@@ -203,6 +203,36 @@ def follows_local_parent(sampler: Any) -> bool:
     )
 
 
+# --- the SDK's metric readers: stagetrace's own aggregation collected with the provider's (exporter/aggregation.py)
+
+
+def reader_prefers_delta(reader: Any) -> frozenset[str]:
+    """The instrument kinds ("histogram", "counter", "gauge") a reader wants as deltas
+    (``_instrument_class_temporality``, keyed by the SDK's instrument classes); the rest cumulative."""
+    from opentelemetry.sdk.metrics._internal.instrument import _Counter, _Gauge, _Histogram
+    from opentelemetry.sdk.metrics.export import AggregationTemporality
+
+    preferences = getattr(reader, "_instrument_class_temporality", None)
+    if not isinstance(preferences, dict):
+        raise TypeError("stagetrace needs an SDK MetricReader (it reads the reader's temporality preference)")
+    kinds = {"histogram": _Histogram, "counter": _Counter, "gauge": _Gauge}
+    return frozenset(kind for kind, cls in kinds.items() if preferences.get(cls) is AggregationTemporality.DELTA)
+
+
+def set_reader_collect(reader: Any, merge: Callable[[Any], Any]) -> None:
+    """Make ``reader.collect()`` return ``merge(what its meter provider collected)``: the reader's collect
+    callback (``_collect``, set by the provider through ``_set_collect_callback``) wrapped. The reader must
+    already be registered with its provider."""
+    provider_collect = getattr(reader, "_collect", None)
+    if provider_collect is None or not hasattr(reader, "_set_collect_callback"):
+        raise TypeError("stagetrace needs an SDK MetricReader registered with a MeterProvider")
+
+    def collect(metric_reader: Any, timeout_millis: float = 10_000) -> Any:
+        return merge(provider_collect(metric_reader, timeout_millis=timeout_millis))
+
+    reader._set_collect_callback(collect)
+
+
 # --- the API's global meter provider ---------------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 
 from stagetrace._version import __version__
@@ -16,8 +17,9 @@ from stagetrace.capture.loopblocks import LoopBlockBuffer
 from stagetrace.capture.registry import TraceRegistry
 from stagetrace.capture.samplers import GilPressureSampler, LoopLagMonitor
 from stagetrace.conventions import INSTRUMENTATION_NAME
+from stagetrace.exporter.aggregation import AggregatedMetrics
 from stagetrace.exporter.core import ExporterCore
-from stagetrace.exporter.metrics import MetricsRecorder, MetricsSink, StagetraceMetrics
+from stagetrace.exporter.metrics import MetricsRecorder, MetricsSink, SdkInstruments
 from stagetrace.exporter.outputs import LocalOutputs, NoMetrics, SpanForwarder
 from stagetrace.exporter.signals import GIL_SERIES, LOOP_HELD_SERIES, LOOP_SERIES, RUN_QUEUE_SERIES
 from stagetrace.handoff.processor import StagetraceSpanProcessor
@@ -42,20 +44,28 @@ class Runtime:
         local: SpanProcessor | None,
         local_metrics: bool,
         settings: Settings,
+        metric_readers: Sequence[MetricReader] = (),
         on_verdict: Sequence[Callable[[Verdict], Any]] = (),
         exporter_config: ExporterConfig | None = None,
         install: bool = True,
     ) -> None:
-        """``install=False``: the caller puts ``self.processor`` in front of the provider's processors."""
+        """``install=False``: the caller puts ``self.processor`` in front of the provider's processors.
+        ``metric_readers``: the readers of ``meter_provider``, already registered with it, when stagetrace
+        built it: they collect stagetrace's own aggregation; otherwise (``local_metrics`` on a provider it did
+        not build) the metrics are the SDK's instruments on its meter."""
         self.settings = settings
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
         self.metrics = MetricsRecorder()  # metric events raised in the application, shipped to the exporter
         self.registry = TraceRegistry(settings.max_traces_in_flight, settings.trace_ttl_s, self.metrics.dropped)
         app_metrics: MetricsSink = NoMetrics()
-        if local_metrics:
+        if metric_readers:
+            aggregated = AggregatedMetrics(tracer_provider.resource, settings.max_stage_names)
+            aggregated.attach_readers(metric_readers)
+            app_metrics = aggregated
+        elif local_metrics:
             meter = meter_provider.get_meter(INSTRUMENTATION_NAME, __version__)
-            app_metrics = StagetraceMetrics(meter, settings.max_stage_names)
+            app_metrics = SdkInstruments(meter, settings.max_stage_names)
         self.local = LocalOutputs(
             spans=SpanForwarder(local, tracer_provider.resource, app_metrics.dropped) if local is not None else None,
             metrics=app_metrics,

@@ -199,6 +199,7 @@ def configure(
         meter_provider=meter_provider,
         local=_batching(plan.app_exporters),
         local_metrics=bool(plan.app_readers),
+        metric_readers=plan.app_readers,
         settings=settings,
         on_verdict=callbacks,
         exporter_config=exporter_config,

@@ -1,5 +1,7 @@
-"""The contract's metrics, recorded for every request whether or not its trace was sampled or kept.
-Attribute values stay low-cardinality: stage names are capped, the overflow counted.
+"""The contract's metrics, recorded for every request whether or not its trace was sampled or kept: the
+instruments (``INSTRUMENTS``, one table), which attributes each event gives them (``ContractMetrics``; values
+stay low-cardinality: stage names are capped, the overflow counted), and the SDK's instruments as one way
+of aggregating them (``exporter/aggregation.py`` is the other, used wherever stagetrace built the readers).
 
 Every call takes plain values (the exemplar as trace and span ids), so that the same calls can be replayed
 in the application for metric readers that live there (``MetricsRecorder``)."""
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from opentelemetry.context import Context
@@ -29,6 +32,52 @@ SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 FILL_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 
 Exemplar = tuple[int, int]  # (trace id, span id) of a kept trace's root
+Key = tuple[tuple[str, Any], ...]  # a point's attributes as (name, value) pairs, hashable
+
+
+@dataclass(frozen=True)
+class Instrument:
+    """One metric of the contract: the single description that both ways of aggregating it read."""
+
+    name: str
+    kind: str  # "histogram", "counter" or "gauge"
+    unit: str
+    description: str
+    buckets: tuple[float, ...] = ()
+
+
+STAGE_DURATION = Instrument(
+    c.METRIC_STAGE_DURATION,
+    "histogram",
+    "ms",
+    "Time charged to a pipeline stage per request (exclusive wall, or GPU)",
+    MS_BUCKETS,
+)
+TRACE_DURATION = Instrument(c.METRIC_TRACE_DURATION, "histogram", "ms", "Duration of a trace's local root", MS_BUCKETS)
+BOTTLENECK = Instrument(c.METRIC_BOTTLENECK, "counter", "{trace}", "Traces whose bottleneck was this stage")
+DIAGNOSIS = Instrument(c.METRIC_DIAGNOSIS, "counter", "{trace}", "Traces on which a diagnosis rule fired")
+DROPPED = Instrument(c.METRIC_DROPPED, "counter", "{item}", "Items stagetrace dropped to stay within its bounds")
+GPU_UTILIZATION = Instrument(c.METRIC_GPU_UTILIZATION, "gauge", "1", "GPU utilisation sampled through NVML")
+BATCH_SIZE = Instrument(
+    c.METRIC_BATCH_SIZE,
+    "histogram",
+    "{request}",
+    "Requests served by one execution of a dynamic batcher",
+    SIZE_BUCKETS,
+)
+BATCH_FILL = Instrument(
+    c.METRIC_BATCH_FILL, "histogram", "1", "Items in a batch over the batcher's max size", FILL_BUCKETS
+)
+INSTRUMENTS = (
+    STAGE_DURATION,
+    TRACE_DURATION,
+    BOTTLENECK,
+    DIAGNOSIS,
+    DROPPED,
+    GPU_UTILIZATION,
+    BATCH_SIZE,
+    BATCH_FILL,
+)
 
 
 def exemplar_context(exemplar: Exemplar | None) -> Context | None:
@@ -41,50 +90,28 @@ def exemplar_context(exemplar: Exemplar | None) -> Context | None:
     return set_span_in_context(NonRecordingSpan(span_context))
 
 
-class StagetraceMetrics:
-    def __init__(self, meter: Meter, max_stage_names: int = 256) -> None:
-        # Buckets as the instrument's advisory, so they apply on providers stagetrace did not build too.
-        self._stage_duration = meter.create_histogram(
-            c.METRIC_STAGE_DURATION,
-            unit="ms",
-            description="Time charged to a pipeline stage per request (exclusive wall, or GPU)",
-            explicit_bucket_boundaries_advisory=MS_BUCKETS,
-        )
-        self._trace_duration = meter.create_histogram(
-            c.METRIC_TRACE_DURATION,
-            unit="ms",
-            description="Duration of a trace's local root",
-            explicit_bucket_boundaries_advisory=MS_BUCKETS,
-        )
-        self._bottleneck = meter.create_counter(
-            c.METRIC_BOTTLENECK, unit="{trace}", description="Traces whose bottleneck was this stage"
-        )
-        self._diagnosis = meter.create_counter(
-            c.METRIC_DIAGNOSIS, unit="{trace}", description="Traces on which a diagnosis rule fired"
-        )
-        self._dropped = meter.create_counter(
-            c.METRIC_DROPPED, unit="{item}", description="Items stagetrace dropped to stay within its bounds"
-        )
-        self._gpu_utilization = meter.create_gauge(
-            c.METRIC_GPU_UTILIZATION, unit="1", description="GPU utilisation sampled through NVML"
-        )
-        self._batch_size = meter.create_histogram(
-            c.METRIC_BATCH_SIZE,
-            unit="{request}",
-            description="Requests served by one execution of a dynamic batcher",
-            explicit_bucket_boundaries_advisory=SIZE_BUCKETS,
-        )
-        self._batch_fill = meter.create_histogram(
-            c.METRIC_BATCH_FILL,
-            unit="1",
-            description="Items in a batch over the batcher's max size",
-            explicit_bucket_boundaries_advisory=FILL_BUCKETS,
-        )
+class ContractMetrics:
+    """The exporter's metric events as observations of the contract's instruments: which instrument, which
+    attributes (stage names capped, the overflow counted). How an observation is aggregated is the
+    subclass's: the SDK's instruments (``SdkInstruments``) or stagetrace's own (``AggregatedMetrics``)."""
+
+    def __init__(self, max_stage_names: int = 256) -> None:
         self._max_stage_names = max_stage_names
         self._stage_names: set[str] = set()
-        self._attr_cache: dict[tuple[str, str, str | None], dict[str, Any]] = {}
+        self._stage_keys: dict[tuple[str, str, str | None], Key] = {}
         self._names_lock = threading.Lock()
 
+    # --- how a subclass aggregates ---------------------------------------------------------------------
+    def _observe(self, instrument: Instrument, key: Key, value: float, exemplar: Exemplar | None) -> None:
+        raise NotImplementedError
+
+    def _add(self, instrument: Instrument, key: Key, amount: int) -> None:
+        raise NotImplementedError
+
+    def _set(self, instrument: Instrument, key: Key, value: float) -> None:
+        raise NotImplementedError
+
+    # --- attributes --------------------------------------------------------------------------------------
     def _stage_label(self, name: str) -> str:
         if name in self._stage_names:
             return name
@@ -95,24 +122,20 @@ class StagetraceMetrics:
         self.dropped("stage_name_cardinality")
         return OVERFLOW_STAGE
 
-    def _stage_attrs(self, name: str, kind: str, route: str | None) -> dict[str, Any]:
-        key = (name, kind, route)
-        attrs = self._attr_cache.get(key)
-        if attrs is None:
-            attrs = {c.STAGE: self._stage_label(name), c.STAGE_KIND: kind}
+    def _stage_key(self, name: str, kind: str, route: str | None) -> Key:
+        cache_key = (name, kind, route)
+        key = self._stage_keys.get(cache_key)
+        if key is None:
+            key = ((c.STAGE, self._stage_label(name)), (c.STAGE_KIND, kind))
             if route:
-                attrs[c.HTTP_ROUTE] = route
-            if len(self._attr_cache) < 4 * self._max_stage_names:
-                self._attr_cache[key] = attrs
-        return attrs
+                key += ((c.HTTP_ROUTE, route),)
+            if len(self._stage_keys) < 4 * self._max_stage_names:
+                self._stage_keys[cache_key] = key
+        return key
 
+    # --- the events (MetricsSink) ------------------------------------------------------------------------
     def record_stage(self, name: str, kind: str, ms: float, route: str | None) -> None:
-        self._record_stage(name, kind, ms, route, None)
-
-    def _record_stage(self, name: str, kind: str, ms: float, route: str | None, ctx: Context | None) -> None:
-        # An explicit empty context: the exemplar filter then finds no span at once, without reading the
-        # thread's current context.
-        self._stage_duration.record(ms, self._stage_attrs(name, kind, route), context=ctx or _NO_SPAN)
+        self._observe(STAGE_DURATION, self._stage_key(name, kind, route), ms, None)
 
     def record_trace(self, verdict: Verdict, exemplar: Exemplar | None) -> None:
         """One stage observation per stage name per request (its share of the breakdown, occurrences
@@ -120,38 +143,90 @@ class StagetraceMetrics:
         latency panel to the trace in Jaeger, goes on the trace duration and on the bottleneck stage: the
         traces worth opening from a stage panel are the ones that stage slowed down. ``exemplar`` is given
         only for traces that were kept, so an exemplar never points at a trace that was not exported."""
-        ctx = exemplar_context(exemplar)
         route = verdict.route
         kinds = verdict.stage_kinds
+        bottleneck = verdict.bottleneck
+        observe = self._observe
         for name, ms in verdict.breakdown.items():
-            self._record_stage(name, kinds.get(name, "cpu"), ms, route, ctx if name == verdict.bottleneck else None)
-        attrs: dict[str, Any] = {c.SLOW: verdict.slow}
-        if route:
-            attrs[c.HTTP_ROUTE] = route
-        self._trace_duration.record(verdict.total_ms, attrs, context=ctx)
-        if verdict.bottleneck is not None:
-            b = verdict.bottleneck
-            self._bottleneck.add(1, {c.STAGE: b if b == c.UNTRACKED else self._stage_label(b)})
+            key = self._stage_key(name, kinds.get(name, "cpu"), route)
+            observe(STAGE_DURATION, key, ms, exemplar if name == bottleneck else None)
+        trace_key: Key = ((c.SLOW, verdict.slow), (c.HTTP_ROUTE, route)) if route else ((c.SLOW, verdict.slow),)
+        observe(TRACE_DURATION, trace_key, verdict.total_ms, exemplar)
+        if bottleneck is not None:
+            label = bottleneck if bottleneck == c.UNTRACKED else self._stage_label(bottleneck)
+            self._add(BOTTLENECK, ((c.STAGE, label),), 1)
         for code in verdict.diagnosis_codes:
-            self._diagnosis.add(1, {c.DIAGNOSIS_CODE: code})
+            self._add(DIAGNOSIS, ((c.DIAGNOSIS_CODE, code),), 1)
 
     def record_batch(self, name: str, size: int, fill: float | None) -> None:
-        attrs = {c.STAGE: self._stage_label(name)}
-        self._batch_size.record(size, attrs, context=_NO_SPAN)
+        key = ((c.STAGE, self._stage_label(name)),)
+        self._observe(BATCH_SIZE, key, size, None)
         if fill is not None:
-            self._batch_fill.record(fill, attrs, context=_NO_SPAN)
+            self._observe(BATCH_FILL, key, fill, None)
 
     def dropped(self, reason: str, count: int = 1) -> None:
         if count:
-            self._dropped.add(count, {c.DROP_REASON: reason})
+            self._add(DROPPED, ((c.DROP_REASON, reason),), count)
 
     def gpu_utilization(self, value: float, hw_id: str) -> None:
-        self._gpu_utilization.set(value, {c.HW_ID: hw_id})
+        self._set(GPU_UTILIZATION, ((c.HW_ID, hw_id),), value)
+
+
+class SdkInstruments(ContractMetrics):
+    """The contract's metrics as the SDK's instruments on a meter: for meter providers stagetrace did not
+    build (``attach()``), whose readers it cannot reach."""
+
+    def __init__(self, meter: Meter, max_stage_names: int = 256) -> None:
+        super().__init__(max_stage_names)
+        # Buckets as the instrument's advisory, so they apply on providers stagetrace did not build too.
+        self._instruments: dict[str, Any] = {}
+        for inst in INSTRUMENTS:
+            if inst.kind == "histogram":
+                made: Any = meter.create_histogram(
+                    inst.name,
+                    unit=inst.unit,
+                    description=inst.description,
+                    explicit_bucket_boundaries_advisory=inst.buckets,
+                )
+            elif inst.kind == "counter":
+                made = meter.create_counter(inst.name, unit=inst.unit, description=inst.description)
+            else:
+                made = meter.create_gauge(inst.name, unit=inst.unit, description=inst.description)
+            self._instruments[inst.name] = made
+        self._attributes: dict[Key, dict[str, Any]] = {}
+        self._last_exemplar: tuple[Exemplar | None, Context | None] = (None, None)
+
+    def _attrs(self, key: Key) -> dict[str, Any]:
+        attrs = self._attributes.get(key)
+        if attrs is None:
+            attrs = dict(key)
+            if len(self._attributes) < 8 * self._max_stage_names:
+                self._attributes[key] = attrs
+        return attrs
+
+    def _observe(self, instrument: Instrument, key: Key, value: float, exemplar: Exemplar | None) -> None:
+        ctx = None
+        if exemplar is not None:
+            last, last_ctx = self._last_exemplar
+            if last == exemplar:
+                ctx = last_ctx
+            else:
+                ctx = exemplar_context(exemplar)
+                self._last_exemplar = (exemplar, ctx)
+        # An explicit empty context: the exemplar filter then finds no span at once, without reading the
+        # thread's current context.
+        self._instruments[instrument.name].record(value, self._attrs(key), context=ctx or _NO_SPAN)
+
+    def _add(self, instrument: Instrument, key: Key, amount: int) -> None:
+        self._instruments[instrument.name].add(amount, self._attrs(key))
+
+    def _set(self, instrument: Instrument, key: Key, value: float) -> None:
+        self._instruments[instrument.name].set(value, self._attrs(key))
 
 
 class MetricsSink(Protocol):
-    """Where the exporter's metric events go: the SDK instruments (``StagetraceMetrics``), a recorder for
-    replay in the application, or both."""
+    """Where the exporter's metric events go: stagetrace's own aggregation (``exporter/aggregation.py``) or
+    the SDK's instruments (``SdkInstruments``), a recorder for replay in the application, or both."""
 
     def record_stage(self, name: str, kind: str, ms: float, route: str | None) -> None: ...
     def record_trace(self, verdict: Verdict, exemplar: Exemplar | None) -> None: ...

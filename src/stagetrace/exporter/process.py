@@ -28,14 +28,14 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.trace import SpanProcessor, SynchronousMultiSpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
-from stagetrace import _version
 from stagetrace._safety import logger
 from stagetrace.analysis import Verdict
 from stagetrace.export.env import metric_readers_from_env, span_exporters_from_env
 from stagetrace.export.files import JsonLinesSpanExporter
 from stagetrace.export.shutdown import shutdown_within
+from stagetrace.exporter.aggregation import AggregatedMetrics
 from stagetrace.exporter.core import ExporterCore
-from stagetrace.exporter.metrics import MetricsRecorder, MetricsSink, StagetraceMetrics, TeeMetrics
+from stagetrace.exporter.metrics import MetricsRecorder, MetricsSink, TeeMetrics
 from stagetrace.exporter.outputs import LocalOutputs, NoMetrics, SpanForwarder
 from stagetrace.handoff import wire
 from stagetrace.handoff.channel import FrameReader, encode_frame
@@ -147,8 +147,9 @@ class Exporter:
         self.meter_provider = MeterProvider(metric_readers=readers, resource=self.resource, shutdown_on_exit=False)
         own_metrics: MetricsSink = NoMetrics()
         if readers:
-            meter = self.meter_provider.get_meter("stagetrace", _version.__version__)
-            own_metrics = StagetraceMetrics(meter, self.settings.max_stage_names)
+            aggregated = AggregatedMetrics(self.resource, self.settings.max_stage_names)
+            aggregated.attach_readers(readers)
+            own_metrics = aggregated
         forwarder = SpanForwarder(self.processor, self.resource, self._dropped) if self.processor else None
         own = LocalOutputs(spans=forwarder, metrics=own_metrics, flush_metrics=self._flush_metrics)
         self.outputs = ReturningOutputs(
