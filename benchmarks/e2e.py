@@ -245,7 +245,10 @@ def start_server(variant: str, workload: str, per_ms: dict[str, float], sink_por
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
     env.update(
         E2E_PER_MS=",".join(f"{k}={v}" for k, v in per_ms.items()),
-        PYTHONPATH=os.path.dirname(os.path.abspath(__file__)),
+        # This directory first, then the caller's own path (a checkout being measured rather than the install).
+        PYTHONPATH=os.pathsep.join(
+            filter(None, (os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")))
+        ),
         OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{sink_port}",
         OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
         **VARIANT_ENV.get(variant, {}),

@@ -291,3 +291,34 @@ def test_what_the_aggregation_reads_of_a_metric_reader():
     set_reader_collect(reader, lambda data: seen.append(data) or data)
     data = reader.get_metrics_data()
     assert seen and seen[0] is data and data.resource_metrics[0].scope_metrics[0].metrics[0].name == "c"
+
+
+def test_what_the_arrival_reads_of_asgi_servers_and_sockets():
+    """``capture/arrival.py`` recognises uvicorn's and hypercorn's request coroutines and reads a socket's
+    ``TCP_INFO``; a release that moves either fails here (and the real-server tests in test_arrival.py)."""
+    import inspect
+    import socket
+
+    import hypercorn.asyncio.run
+    import uvicorn.protocols.http.h11_impl as h11_impl
+
+    from stagetrace._compat import _request_coroutine_codes, socket_received_ms_ago
+
+    places = set(_request_coroutine_codes().values())
+    assert places == {"cycle", "spawner"}
+    assert "transport" in inspect.signature(h11_impl.RequestResponseCycle.__init__).parameters
+    assert "writer" in inspect.getsource(hypercorn.asyncio.run).split("async def _server_callback", 1)[1][:200]
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    client = socket.create_connection(server.getsockname())
+    conn, _ = server.accept()
+    try:
+        client.sendall(b"x")
+        time.sleep(0.05)
+        assert 40 <= socket_received_ms_ago(conn) <= 1000
+        assert socket_received_ms_ago(object()) == -1
+    finally:
+        for s in (client, conn, server):
+            s.close()

@@ -290,6 +290,78 @@ def fastapi_contrib_instrumented(app: Any) -> bool:
     return bool(getattr(app, "_is_instrumented_by_opentelemetry", False))
 
 
+# --- when a request reached its server (capture/arrival.py) -----------------------------------------------
+
+_REQUEST_CODES: dict[Any, str] | None = None
+
+
+def _request_coroutine_codes() -> dict[Any, str]:
+    """The code of the coroutine each ASGI server makes a task of for each request, and where that task's
+    socket is: uvicorn's ``RequestResponseCycle.run_asgi`` (httptools and h11; the cycle's ``transport``),
+    hypercorn's ``task_group._handle`` (the connection's ``writer``, a local of the task that spawns it)."""
+    found: dict[Any, str] = {}
+    places = (
+        ("uvicorn.protocols.http.httptools_impl", "RequestResponseCycle", "run_asgi", "cycle"),
+        ("uvicorn.protocols.http.h11_impl", "RequestResponseCycle", "run_asgi", "cycle"),
+        ("hypercorn.asyncio.task_group", None, "_handle", "spawner"),
+    )
+    for module, owner, function, where in places:
+        try:
+            scope: Any = __import__(module, fromlist=["_"])
+        except Exception:  # not installed, or an optional dependency of it missing
+            continue
+        if owner is not None:
+            scope = getattr(scope, owner, None)
+        code = getattr(getattr(scope, function, None), "__code__", None)
+        if code is not None:
+            found[code] = where
+    return found
+
+
+def asgi_request_socket(coro: Any) -> Any:
+    """The socket of the request a new task will serve, when the task is an ASGI server's request coroutine:
+    uvicorn's (its ``self``, the request cycle, in ``cr_frame.f_locals``, has the connection's
+    ``transport``) or hypercorn's (spawned by the connection's own task, whose coroutine has the connection's
+    ``writer`` among its locals). None for any other coroutine, or when the layout differs."""
+    global _REQUEST_CODES
+    codes = _REQUEST_CODES
+    if codes is None:
+        codes = _REQUEST_CODES = _request_coroutine_codes()
+    where = codes.get(getattr(coro, "cr_code", None))
+    if where is None:
+        return None
+    if where == "cycle":
+        frame = getattr(coro, "cr_frame", None)
+        owner = getattr(frame.f_locals.get("self"), "transport", None) if frame is not None else None
+    else:
+        spawner = asyncio.current_task()
+        frame = getattr(spawner.get_coro(), "cr_frame", None) if spawner is not None else None
+        owner = frame.f_locals.get("writer") if frame is not None else None
+    get_extra_info = getattr(owner, "get_extra_info", None)
+    return get_extra_info("socket") if get_extra_info is not None else None
+
+
+_TCP_INFO_LAST_DATA_RECV = 52  # struct tcp_info: 8 bytes of u8 fields, then u32s; tcpi_last_data_recv is the 12th
+
+
+def socket_received_ms_ago(sock: Any) -> int:
+    """Milliseconds since the socket last received data (Linux ``TCP_INFO``'s ``tcpi_last_data_recv``, in
+    jiffies: a few ms of resolution), or -1 where the platform or socket cannot say."""
+    import socket
+    import struct
+
+    tcp_info = getattr(socket, "TCP_INFO", None)
+    if tcp_info is None:
+        return -1
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, tcp_info, 104)
+    except (OSError, AttributeError, TypeError):
+        return -1
+    if len(raw) < _TCP_INFO_LAST_DATA_RECV + 4:
+        return -1
+    return int(struct.unpack_from("=I", raw, _TCP_INFO_LAST_DATA_RECV)[0])
+
+
 # --- the interpreter's GIL: how long one wait for it can last --------------------------------------------
 
 

@@ -38,6 +38,10 @@ BATCH_ABANDONED = "stagetrace.batch.abandoned"
 # the event-loop wait (a `wait` stage stagetrace adds) and the blocking stages on the other side of it
 BLOCKED_BY = "stagetrace.blocked_by"  # on the wait span and the victim's root: "<stage>@<trace id>", longest first
 DELAYED_REQUESTS = "stagetrace.delayed_requests"  # on a blocking stage and its root: other requests on its loop
+# the wait before the server span (capture/arrival.py), on the local root whose start moved back to the arrival
+ROOT_SHIFTED_MS = "stagetrace.root.shifted_ms"  # how far the root's start moved back
+ROOT_FRAMEWORK_START_NS = "stagetrace.root.framework_start_ns"  # the framework's own start (epoch ns), kept
+LOOP_ARRIVAL_BOUND_MS = "stagetrace.loop.arrival_bound_ms"  # at most this much earlier its bytes may have come
 
 # --- verdict attributes, on the trace's local root span --------------------------------------------------
 TOTAL_MS = "stagetrace.total_ms"

@@ -26,6 +26,13 @@ MIN_CPU_ACCOUNTED_NS = 1_000_000  # stages shorter than this get no CPU figures 
 LOOP_BLOCK_MIN_NS = 1_000_000  # a sync stage on the event loop shorter than this is not recorded as holding it
 LOOP_WAIT_MIN_NS = 100_000  # stretches of an event-loop wait shorter than this are scheduling noise
 MAX_LOOP_WAIT_SPANS = 32  # event_loop.wait spans per trace, the longest kept
+# A request's wait between its arrival and its server span shorter than this is the server's own
+# scheduling (the task's first step), not a wait: the root keeps the framework's start.
+ARRIVAL_WAIT_MIN_NS = 1_000_000
+# ... and one that no other request's blocking stage explains, shorter than this, is the server's own work
+# for its other connections: left out too, rather than an event_loop.wait on every request under load.
+ARRIVAL_UNEXPLAINED_MIN_NS = 5_000_000
+ARRIVAL_ADJACENT_NS = 2_000_000  # blocks this close to each other (or to the task's creation) bound an arrival
 GIL_MIN_SAMPLES = 3  # GIL-pressure wake-ups a trace's window needs before the pressure counts as measured
 MAX_WORKER_RUNS = 256  # runs of a request's code on worker threads kept per trace (own time, not loop wait)
 MAX_BLOCKED_BY = 8  # blocking stages named in stagetrace.blocked_by

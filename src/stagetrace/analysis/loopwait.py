@@ -101,3 +101,43 @@ def loop_waits(
         blockers = tuple(sorted((h for h in held if h[2] > 0), key=lambda h: -h[2]))
         out.append(LoopWait(s, e, blockers))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """When a request reached its server (perf-counter ns), and, when only a bound is known of how long its
+    bytes waited before that, the bound."""
+
+    start_ns: int
+    bound_ns: int | None = None
+
+
+def request_arrival(
+    task_created_ns: int,
+    received_ms_ago: int,
+    blocks: Sequence[LoopBlock],
+    trace_id: int,
+    *,
+    adjacent_ns: int,
+) -> Arrival:
+    """The arrival of a request whose task was created at ``task_created_ns``.
+
+    ``received_ms_ago`` (the socket's own reading at that moment, ms, -1 if none) moves the arrival back to
+    the bytes' arrival when other requests' blocks held the loop in between: the loop could not read them.
+    Otherwise the loop read them at once and a reading of a few ms is the clock's grain, not a wait. With no
+    reading, the blocks that ended just before the task was created (each within ``adjacent_ns`` of the next)
+    bound how long the bytes may have waited: reported as a bound, never counted as a stage.
+    """
+    others = [b for b in blocks if b.trace_id != trace_id and b.start_ns < task_created_ns]
+    if received_ms_ago >= 0:
+        received = task_created_ns - received_ms_ago * 1_000_000
+        if any(b.end_ns > received for b in others):
+            return Arrival(received)
+        return Arrival(task_created_ns)
+    edge, earliest = task_created_ns, None
+    for b in sorted(others, key=lambda b: -b.end_ns):
+        if edge - b.end_ns > adjacent_ns:
+            break
+        earliest = b.start_ns if earliest is None else min(earliest, b.start_ns)
+        edge = min(edge, b.start_ns)
+    return Arrival(task_created_ns, None if earliest is None else task_created_ns - earliest)

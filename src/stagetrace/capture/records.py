@@ -176,6 +176,7 @@ class TraceRecord:
     max_others = MAX_OTHER_SPANS_PER_TRACE  # other instrumentations' spans held with the trace
 
     __slots__ = (
+        "arrival",
         "batch",
         "closed",
         "created_monotonic",
@@ -206,6 +207,9 @@ class TraceRecord:
     ) -> None:
         self.trace_id = trace_id
         self.loop_thread = loop_thread  # the thread of the event loop its root started on; 0: none
+        # When its request reached the server, if its root opened in a task that noted it (capture/arrival.py):
+        # (task created, perf ns; ms since the request's socket last received data, or -1).
+        self.arrival: tuple[int, int] | None = None
         self.trace_flags = trace_flags
         self.trace_state = trace_state
         self.root_span_id = root_span_id

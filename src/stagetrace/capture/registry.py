@@ -44,8 +44,11 @@ class TraceRegistry:
         trace_flags: Any = None,
         trace_state: Any = None,
         loop_thread: int = 0,
+        arrival: tuple[int, int] | None = None,
     ) -> TraceRecord | None:
         rec = TraceRecord(trace_id, root_span_id, root_start_epoch_ns, trace_flags, trace_state, loop_thread)
+        if arrival is not None:
+            rec.arrival = arrival
         with self._lock:
             if len(self._traces) >= self.max_traces:
                 full = True

@@ -19,7 +19,7 @@ from opentelemetry.trace import StatusCode, format_trace_id
 from stagetrace import conventions as c
 from stagetrace._safety import RateLimitedLog, report_internal_error
 from stagetrace.analysis import TraceSignals, Verdict, analyse_trace, build_verdict, diagnose
-from stagetrace.analysis.loopwait import blocker_entry, loop_waits
+from stagetrace.analysis.loopwait import blocker_entry, loop_waits, request_arrival
 from stagetrace.exporter import signals as sig
 from stagetrace.exporter import spans as sp
 from stagetrace.exporter.budget import BudgetLimits, ExportBudget, signature_of
@@ -27,7 +27,15 @@ from stagetrace.exporter.foreign import as_stage_span, foreign_kind, link_enclos
 from stagetrace.exporter.metrics import MetricsSink, replay
 from stagetrace.exporter.sampling import Keep, PendingBatches, RecentDecisions, decide, in_healthy_share
 from stagetrace.handoff import wire
-from stagetrace.settings import LOOP_WAIT_MIN_NS, MAX_BLOCKED_BY, MAX_LOOP_WAIT_SPANS, Settings
+from stagetrace.settings import (
+    ARRIVAL_ADJACENT_NS,
+    ARRIVAL_UNEXPLAINED_MIN_NS,
+    ARRIVAL_WAIT_MIN_NS,
+    LOOP_WAIT_MIN_NS,
+    MAX_BLOCKED_BY,
+    MAX_LOOP_WAIT_SPANS,
+    Settings,
+)
 
 
 def _delayed_requests(stages: Sequence[Any]) -> int | None:
@@ -148,7 +156,6 @@ class ExporterCore:
         attrs = root[wire.SPAN_ATTRIBUTES]
         route = attrs.get(c.HTTP_ROUTE)
         route = route if isinstance(route, str) else None
-        root_start, root_end = root[wire.SPAN_START], root[wire.SPAN_END]
         blocked_by: tuple[str, ...] = ()
         if t.loop_thread and len(self.loop_blocks):
             own = [(st.start_ns, st.end_ns) for st in analysed]
@@ -156,6 +163,14 @@ class ExporterCore:
             waits, blocked_by = self._loop_waits(trace_id, t.loop_thread, root, offset, own)
             stages = stages + waits
             analysed = analysed + waits
+        if t.task_created_ns and t.loop_thread:
+            root, before = self._wait_before_root(t, root)
+            if before is not None:
+                stages = [*stages, before]
+                analysed = [*analysed, before]
+                first = before.attributes.get(c.BLOCKED_BY, ()) if before.attributes else ()
+                blocked_by = tuple(dict.fromkeys((*first, *blocked_by)))[:MAX_BLOCKED_BY]
+        root_start, root_end = root[wire.SPAN_START], root[wire.SPAN_END]
         # The stages are in perf-counter time: the root moves to that clock for the analysis.
         analysis = analyse_trace(root_start - offset, root_end - offset, analysed, self.settings.threshold_for(route))
         signals = self._signals(root_start, root_end, t.gpu_utilization, blocked_by)
@@ -268,6 +283,46 @@ class ExporterCore:
             )
         ranked = sorted(held, key=lambda k: -held[k])
         return out, tuple(ranked[:MAX_BLOCKED_BY])
+
+    def _wait_before_root(
+        self, t: wire.ShippedTrace, root: tuple[Any, ...]
+    ) -> tuple[tuple[Any, ...], wire.ShippedStage | None]:
+        """The wait between the request's arrival and its server span, as an ``event_loop.wait`` stage, and
+        the root moved back to the arrival (the framework's start and the shift kept as attributes); or the
+        root unchanged, with the bound of an arrival that cannot be placed."""
+        offset = t.offset
+        framework_start = root[wire.SPAN_START] - offset
+        blocks = self.loop_blocks.overlapping(t.loop_thread, t.task_created_ns - 60 * 10**9, framework_start)
+        arrival = request_arrival(
+            t.task_created_ns, t.received_ms_ago, blocks, t.trace_id, adjacent_ns=ARRIVAL_ADJACENT_NS
+        )
+        attributes = dict(root[wire.SPAN_ATTRIBUTES])
+        if arrival.bound_ns is not None:
+            attributes[c.LOOP_ARRIVAL_BOUND_MS] = round(arrival.bound_ns / 1e6, 3)
+        unchanged = wire.replace_span(root, attributes=attributes) if arrival.bound_ns is not None else root
+        if framework_start - arrival.start_ns < ARRIVAL_WAIT_MIN_NS:
+            return unchanged, None
+        waits = loop_waits((arrival.start_ns, framework_start), (), blocks, t.trace_id)
+        held: dict[str, int] = {}
+        for w in waits:
+            for name, blocker, ns in w.blockers:
+                key = blocker_entry(name, format_trace_id(blocker))
+                held[key] = held.get(key, 0) + ns
+        names = tuple(sorted(held, key=lambda k: -held[k])[:MAX_BLOCKED_BY])
+        if not names and framework_start - arrival.start_ns < ARRIVAL_UNEXPLAINED_MIN_NS:
+            return unchanged, None
+        before = wire.stage_from_fields(
+            name=c.EVENT_LOOP_WAIT,
+            kind="wait",
+            span_id=self._new_span_id_nonzero(),
+            parent_span_id=root[wire.SPAN_ID],
+            start_ns=arrival.start_ns,
+            end_ns=framework_start,
+            attributes={c.BLOCKED_BY: names} if names else None,
+        )
+        attributes[c.ROOT_SHIFTED_MS] = round((framework_start - arrival.start_ns) / 1e6, 3)
+        attributes[c.ROOT_FRAMEWORK_START_NS] = root[wire.SPAN_START]
+        return wire.replace_span(root, start_ns=arrival.start_ns + offset, attributes=attributes), before
 
     def _signals(
         self, start_ns: int, end_ns: int, gpu_utilization: float | None, blocked_by: tuple[str, ...] = ()

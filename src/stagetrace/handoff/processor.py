@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
 from stagetrace._compat import running_loop_or_none
 from stagetrace._safety import report_internal_error
+from stagetrace.capture.arrival import take_arrival
 
 
 def is_local_root(span: ReadableSpan) -> bool:
@@ -36,10 +37,17 @@ class StagetraceSpanProcessor(SpanProcessor):
         try:
             if is_local_root(span):
                 ctx = span.context
-                # A root opened on an event loop's thread: its request waits whenever that loop is held.
-                loop_thread = threading.get_ident() if running_loop_or_none() is not None else 0
+                # A root opened on an event loop's thread: its request waits whenever that loop is held, and
+                # may have waited before this span began (its task's arrival, capture/arrival.py).
+                on_loop = running_loop_or_none() is not None
                 self.registry.open(
-                    ctx.trace_id, ctx.span_id, span.start_time, ctx.trace_flags, ctx.trace_state, loop_thread
+                    ctx.trace_id,
+                    ctx.span_id,
+                    span.start_time,
+                    ctx.trace_flags,
+                    ctx.trace_state,
+                    threading.get_ident() if on_loop else 0,
+                    take_arrival() if on_loop else None,
                 )
         except Exception:
             report_internal_error("span processor on_start")

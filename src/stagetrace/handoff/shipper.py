@@ -382,6 +382,7 @@ class Shipper:
             tuple(map(pack_any_span, others)),
             trace.loop_thread,
             tuple(worker_runs),
+            *(trace.arrival or (0, -1)),
         )
 
     def _ticket_unused(self) -> None:

@@ -30,6 +30,8 @@ from stagetrace.handoff.channel import FrameReader, NonBlockingWriter, encode_fr
 from stagetrace.handoff.shipper import DATA_KINDS, Shipper
 from stagetrace.settings import RECORDS_PER_FRAME, Settings
 
+_WINDOW_KINDS = frozenset({wire.SIGNAL, wire.LOOP_BLOCKS})  # what a trace's analysis reads of its window
+
 
 def encode_batch(messages: list[tuple[Any, ...]]) -> tuple[bytes, int]:
     """``marshal`` (C, no code on decode) of the batch; a message holding a value marshal cannot take (an
@@ -225,10 +227,12 @@ class ProcessTransport:
         if writer is None or self._gave_up:
             self._without_exporter(messages, len(data))
             return
-        # Samples first (a trace's window needs them), then the records in frames of a bounded number, each
-        # taken or refused whole, then metric events and flush markers (after the data they flush).
-        leading = [m for m in messages if m[0] == wire.SIGNAL]
-        trailing = [m for m in messages if m[0] not in DATA_KINDS and m[0] != wire.SIGNAL]
+        # Samples and loop blocks first (a trace is judged against those of its window, and the helper drains
+        # them after taking the traces, so they are never later than the trace), then the records in frames
+        # of a bounded number, each taken or refused whole, then metric events and flush markers (after the
+        # data they flush).
+        leading = [m for m in messages if m[0] in _WINDOW_KINDS]
+        trailing = [m for m in messages if m[0] not in DATA_KINDS and m[0] not in _WINDOW_KINDS]
         if leading:
             writer.write(encode_frame(encode_batch(leading)[0]), force=True)
         for start in range(0, len(data), RECORDS_PER_FRAME):

@@ -24,9 +24,7 @@ from stagetrace.conventions import BATCH_INDEX, BATCH_ITEMS
 # --- message kinds ------------------------------------------------------------------------------------
 # application -> exporter
 CONFIG = "C"  # (CONFIG, config dict): the first message a new exporter receives
-TRACE = "T"  # (TRACE, trace_id, flags, trace_state, perf_to_epoch_ns, dropped_stages, gpu_utilization,
-#                      root span, (stage, ...), (other span, ...), loop thread or 0,
-#                      (worker run start, end, start, end, ...) in perf ns)
+TRACE = "T"  # (TRACE, *ShippedTrace fields in their order)
 LONE_STAGE = "S"  # (LONE_STAGE, trace_id, flags, trace_state, perf_to_epoch_ns, late, stage)
 LONE_SPAN = "P"  # (LONE_SPAN, span): a span of a trace whose local root stagetrace is not holding
 SIGNAL = "G"  # (SIGNAL, series name, (epoch_ns, value, epoch_ns, value, ...))
@@ -128,14 +126,17 @@ class ShippedTrace(NamedTuple):
     others: list[tuple[Any, ...]]
     loop_thread: int  # the event loop's thread its root started on, or 0
     worker_runs: tuple[int, ...]  # start, end, ...: perf ns its code ran on worker threads
+    task_created_ns: int  # perf ns its root's task was created (capture/arrival.py), or 0
+    received_ms_ago: int  # at that moment, ms since the request's socket last received data, or -1
 
 
 def unpack_trace(msg: Sequence[Any]) -> ShippedTrace:
     """A TRACE message's fields (without the kind), checked: ValueError for one of the wrong shape."""
     if len(msg) != len(ShippedTrace._fields) + 1:
         raise ValueError(f"a trace message has {len(ShippedTrace._fields) + 1} fields, got {len(msg)}")
-    _, trace_id, flags, state, offset, dropped, gpu_utilization, root, stages, others, loop_thread, runs = msg
-    if not all(isinstance(v, int) for v in (trace_id, offset, flags, loop_thread)):
+    _, trace_id, flags, state, offset, dropped, gpu_utilization, root, stages, others, loop_thread, runs, *arrival = msg
+    task_created, received_ago = arrival
+    if not all(type(v) is int for v in (trace_id, offset, flags, loop_thread, task_created, received_ago)):
         raise ValueError("malformed trace header")
     if not isinstance(runs, tuple) or not all(isinstance(v, int) for v in runs):
         raise ValueError("malformed worker runs")
@@ -151,6 +152,8 @@ def unpack_trace(msg: Sequence[Any]) -> ShippedTrace:
         [check_span(span) for span in others],
         loop_thread,
         runs,
+        task_created,
+        received_ago,
     )
 
 

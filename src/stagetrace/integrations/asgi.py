@@ -1,5 +1,6 @@
 """Request signals for ASGI servers (FastAPI/Starlette): the wait for a worker thread as a ``wait`` stage,
-and the event-loop lag monitor started on each loop's first request."""
+the event-loop lag monitor started on each loop's first request, and the task factory that notes when each
+request reached the server (``capture/arrival.py``), from the lifespan's start on."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from opentelemetry.context import Context, attach, detach, get_current
 from opentelemetry.trace import get_current_span
 
 from stagetrace import _state
+from stagetrace.capture.arrival import ensure_task_factory
 from stagetrace.capture.records import StageRecord
 from stagetrace.integrations._common import Patch
 from stagetrace.integrations.threads import OCCUPANCY, timed_wait
@@ -97,6 +99,9 @@ def _make_app_call(original: Any) -> Any:
         if rt is None or scope.get(_SCOPE_MARK):
             return await original(self, scope, receive, send)
         scope[_SCOPE_MARK] = True
+        # From the server's start (lifespan) or a loop's first request on, each request's task notes when
+        # it was created, so its trace can begin when it reached the server.
+        ensure_task_factory(asyncio.get_running_loop())
         if scope.get("type") == "lifespan":
             return await original(self, scope, _flushing_on_shutdown(receive), send)
         rt.loop_monitor.ensure_running()
