@@ -40,6 +40,7 @@ from opentelemetry.trace import (
 
 import stagetrace
 from conftest import both_modes, rules_that_cannot_fire
+from stagetrace import conventions as c
 from stagetrace.capture.light_spans import LightSpan
 from stagetrace.capture.tracer import CaptureTracer
 
@@ -200,8 +201,8 @@ def test_every_call_exports_what_the_sdk_exports(make_harness, monkeypatch, capl
     assert client["dropped"][0] > 0 and client["dropped"][1] == 2  # the limits acted
 
 
-def test_spans_inside_a_held_trace_are_light_and_others_are_sdk_spans(make_harness):
-    h = make_harness()
+def test_roots_and_spans_inside_held_traces_are_light_and_untracked_ones_sdk_spans(make_harness):
+    h = make_harness(settings=stagetrace.Settings(max_traces_in_flight=2))
     tracer = h.handle.tracer_provider.get_tracer("lib")
     seen = {}
     with tracer.start_as_current_span("request") as root:
@@ -212,13 +213,25 @@ def test_spans_inside_a_held_trace_are_light_and_others_are_sdk_spans(make_harne
                 seen["in stage"] = type(inner)
         with tracer.start_as_current_span("new root", context=Context()) as other:
             seen["new root"] = type(other)
+            # a third trace in flight is past the registry's bound: not held, so the SDK's path
+            with tracer.start_as_current_span("untracked", context=Context()) as untracked:
+                with tracer.start_as_current_span("untracked child") as untracked_child:
+                    seen["untracked child"] = type(untracked_child)
+                seen["untracked"] = type(untracked)
     remote = NonRecordingSpan(SpanContext(0x1234, 0x99, True, TraceFlags(1)))
     with use_span(remote), tracer.start_as_current_span("server") as server:
         seen["under a remote parent"] = type(server)
-    assert seen["child"] is LightSpan and seen["in stage"] is LightSpan
-    assert LightSpan not in (seen["root"], seen["new root"], seen["under a remote parent"])
-    names = {s.name for s in h.spans()}
-    assert {"request", "child", "in stage", "decode", "new root", "server"} <= names
+        assert server.parent.span_id == 0x99 and server.parent.is_remote
+    for name in ("root", "child", "in stage", "new root", "untracked", "under a remote parent"):
+        assert seen[name] is LightSpan, name
+    assert seen["untracked child"] is not LightSpan
+    spans = {s.name: s for s in h.spans()}
+    assert {"request", "child", "in stage", "decode", "new root", "server", "untracked", "untracked child"} <= set(
+        spans
+    )
+    exported_server = spans["server"]
+    assert exported_server.parent.span_id == 0x99 and exported_server.parent.is_remote
+    assert exported_server.context.trace_id == 0x1234 and c.TOTAL_MS in exported_server.attributes
 
 
 class NamingSampler(Sampler):

@@ -11,8 +11,9 @@ OpenTelemetry's attribute rules (the SDK's own cleaning function), events, links
 exceptions and the head sampler's decision are applied here exactly as the SDK applies them, and
 ``tests/test_light_spans.py`` compares both span by span.
 
-Spans outside a held trace, local roots, and every span once a processor other than stagetrace's is added to
-the provider, take the SDK's own path.
+A local root is a light span too: the span processor opens its trace record at its start and hands the
+trace on at its end, as for an SDK root. Spans of traces stagetrace does not hold, and every span once a
+processor other than stagetrace's is added to the provider, take the SDK's own path.
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ class LightSpan(trace_api.Span):
     _span_context: SpanContext | None = None
     record_exception_on_exit = True  # False when started with record_exception=False
     status_on_exit = True  # False when started with set_status_on_exception=False
+    is_root = False  # a local root: the span processor opens and closes its trace record
+    parent_is_remote = False  # its parent came from another process (a traceparent header)
 
     def __init__(
         self,
@@ -303,6 +306,9 @@ class LightSpan(trace_api.Span):
             _sdk_logger.warning("Calling end() on an ended span.")
             return
         self.end_time = time_ns() if end_time is None else end_time
+        if self.is_root:
+            self.runtime.processor.on_end(self)  # closes the trace record and hands the trace on
+            return
         try:
             trace = self.trace
             with trace.lock:
@@ -334,6 +340,14 @@ class LightSpan(trace_api.Span):
     def context(self) -> SpanContext:
         return self.get_span_context()
 
+    @property
+    def parent(self) -> SpanContext | None:
+        if not self.parent_span_id:
+            return None
+        return SpanContext(
+            self.trace_id, self.parent_span_id, self.parent_is_remote, self.trace_flags, self.trace_state
+        )
+
     # --- the wire ---------------------------------------------------------------------------------------
     def wire_tuple(self) -> tuple[Any, ...]:
         """This span as ``handoff.wire.SPAN_FIELDS``, as ``wire.pack_span`` makes one of an SDK span.
@@ -345,7 +359,7 @@ class LightSpan(trace_api.Span):
             self.trace_id,
             self.span_id,
             self.parent_span_id,
-            False,
+            self.parent_is_remote,
             self.kind.value,
             self.start_time,
             self.end_time or 0,

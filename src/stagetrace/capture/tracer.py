@@ -129,7 +129,7 @@ class CaptureTracer(Tracer):
         record_exception: bool,
         set_status_on_exception: bool,
     ) -> Span | None:
-        """The span, or None for the SDK's path (a local root, or a trace stagetrace does not hold)."""
+        """The span, or None for the SDK's path (a trace stagetrace does not hold)."""
         parent: Any = (context if context is not None else current_context()).get(SPAN_KEY)
         parent_type = type(parent)
         if parent_type is StageRecord or parent_type is LightSpan:
@@ -139,11 +139,34 @@ class CaptureTracer(Tracer):
             trace_id, parent_id = parent.trace_id, parent.span_id
             parent_flags, state = parent.trace_flags, parent.trace_state
         elif parent is None:
-            return None
+            return self._light_root(
+                rt,
+                name,
+                context,
+                kind,
+                attributes,
+                links,
+                start_time,
+                (record_exception, set_status_on_exception),
+                None,
+            )
         else:
             sc = parent.get_span_context()
-            if not isinstance(sc, SpanContext) or not sc.is_valid or sc.is_remote:
+            if not isinstance(sc, SpanContext):
                 return None
+            if not sc.is_valid or sc.is_remote:
+                remote = sc if sc.is_valid else None
+                return self._light_root(
+                    rt,
+                    name,
+                    context,
+                    kind,
+                    attributes,
+                    links,
+                    start_time,
+                    (record_exception, set_status_on_exception),
+                    remote,
+                )
             trace = rt.lookup_trace(sc.trace_id)
             if trace is None:
                 return None
@@ -188,6 +211,65 @@ class CaptureTracer(Tracer):
             span.put_initial(initial)
         if links:
             start_links(span, links)
+        return span
+
+    def _light_root(
+        self,
+        rt: Any,
+        name: str,
+        context: Context | None,
+        kind: SpanKind,
+        attributes: Attributes,
+        links: Sequence[_Link] | None,
+        start_time: int | None,
+        on_exception: tuple[bool, bool],
+        remote: SpanContext | None,
+    ) -> Span | None:
+        """A local root (of a new trace, or under a remote parent) as a light span: sampled as the SDK samples
+        it, its trace record opened by the span processor at once, as for an SDK root."""
+        rules = self._capture_rules
+        if not rules.enabled():
+            return None
+        ids = rules.id_generator
+        if remote is None:
+            trace_id, parent_id = ids.generate_trace_id(), 0
+            random_bit = _RANDOM if ids.is_trace_id_random() else 0
+        else:
+            trace_id, parent_id = remote.trace_id, remote.span_id
+            random_bit = remote.trace_flags & _RANDOM
+        result = self.sampler.should_sample(context, trace_id, name, kind, attributes, links)
+        flags = _FLAGS[(_SAMPLED if result.decision.is_sampled() else 0) | random_bit]
+        span_id = (_getrandbits(64) or 1) if rules.random_ids else ids.generate_span_id()
+        if not result.decision.is_recording():
+            return NonRecordingSpan(SpanContext(trace_id, span_id, False, flags, result.trace_state))
+        span = LightSpan(
+            name,
+            trace_id,
+            span_id,
+            parent_id,
+            flags,
+            result.trace_state,
+            kind,
+            start_time if start_time is not None else _time_ns(),
+            rules.limits,
+            rules.scope,
+            None,
+            rt,
+        )
+        span.is_root = True
+        if remote is not None:
+            span.parent_is_remote = True
+        record_exception, set_status_on_exception = on_exception
+        if not record_exception:
+            span.record_exception_on_exit = False
+        if not set_status_on_exception:
+            span.status_on_exit = False
+        if result.attributes:
+            span.put_initial(result.attributes)
+        if links:
+            start_links(span, links)
+        rt.processor.on_start(span, context)  # opens its trace record (or counts the registry full)
+        span.trace = rt.lookup_trace(trace_id)
         return span
 
 

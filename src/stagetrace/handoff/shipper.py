@@ -342,7 +342,7 @@ class Shipper:
             report_internal_error("packing a trace")
             if isinstance(item, tuple):  # the root alone, unchanged, rather than nothing
                 try:
-                    messages.append((wire.LONE_SPAN, wire.pack_span(item[1])))
+                    messages.append((wire.LONE_SPAN, pack_any_span(item[1])))
                     return
                 except Exception:
                     report_internal_error("packing a root")
@@ -366,7 +366,7 @@ class Shipper:
                 resolve_gpu_once(gpu, rec, offset, root_end_perf)
             gpu_utilization = gpu.trace_utilization(root.start_time or 0, root.end_time or 0)
         ctx = root.context
-        packed_root = wire.pack_span(root)
+        packed_root = pack_any_span(root)
         if trace.batch is not None:
             packed_root = wire.replace_span(packed_root, links=tuple(wire.member_link(*m) for m in trace.batch.members))
         return (
