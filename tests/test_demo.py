@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,13 @@ def test_demo_runs_and_report_reads_what_it_wrote(tmp_path):
         assert f"\n{stage} " in text
     assert "EVENT_LOOP_BLOCKED" in text  # the naive pipeline decodes on the event loop
     assert "24/24" in demo.stderr  # the progress bar
+    # The traces last what their clients lived: each starts when its request reached the server, the wait
+    # for the blocked event loop included (a client of the demo's in another process).
+    traced = re.search(r"request latency: p50 ([\d.]+) ms, p95 ([\d.]+) ms", text)
+    lived = re.search(r"as the clients timed them: p50 ([\d.]+) ms, p95 ([\d.]+) ms", text)
+    assert traced and lived, text
+    for trace_ms, client_ms in zip(map(float, traced.groups()), map(float, lived.groups())):
+        assert abs(trace_ms - client_ms) <= max(0.1 * client_ms, 5.0), (traced.groups(), lived.groups())
     page = (out_dir / "report.html").read_text()
     assert page.count('<svg class="waterfall"') >= 5  # the slowest traces, each with its waterfall
     (traces,) = out_dir.glob("traces-*.jsonl")

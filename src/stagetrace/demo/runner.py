@@ -60,7 +60,9 @@ def _serve(app: Any) -> tuple[Any, threading.Thread, str]:
     return server, thread, f"http://127.0.0.1:{port}"
 
 
-def _drive(url: str, path: str, requests: int, concurrency: int, payload: bytes, progress: _Progress) -> None:
+def _drive(url: str, path: str, requests: int, concurrency: int, payload: bytes, progress: _Progress) -> list[float]:
+    """Run the load generator; the milliseconds each successful request lived, as its client timed it."""
+    lived: list[float] = []
     with tempfile.NamedTemporaryFile(delete=False, suffix=".bin") as fh:
         fh.write(payload)
     try:
@@ -72,10 +74,27 @@ def _drive(url: str, path: str, requests: int, concurrency: int, payload: bytes,
         )
         assert proc.stdout is not None
         for line in proc.stdout:
-            progress.tick(line.startswith("ok"))
+            ok = line.startswith("ok")
+            if ok:
+                lived.append(float(line.split()[1]))
+            progress.tick(ok)
         proc.wait(timeout=60)
     finally:
         os.unlink(fh.name)
+    return lived
+
+
+def _clients_line(lived: list[float]) -> str:
+    """The latency the clients lived, to read beside the traces' own (they should agree: a trace starts
+    when its request reached the server, event-loop wait included)."""
+    if not lived:
+        return "as the clients timed them: no request succeeded"
+    ordered = sorted(lived)
+
+    def q(p: float) -> float:
+        return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
+
+    return f"as the clients timed them: p50 {q(0.50):.1f} ms, p95 {q(0.95):.1f} ms, p99 {q(0.99):.1f} ms"
 
 
 def _compare(before: dict[str, Any], after: dict[str, Any]) -> str:
@@ -151,6 +170,7 @@ def run_demo(
     payload = pipelines.make_jpeg() if pipeline == "image" else pipelines.make_text().encode()
     server, thread, url = _serve(app)
     summaries: dict[bool, dict[str, Any]] = {}
+    clients: dict[bool, list[float]] = {}
     try:
         print(
             f"stagetrace demo: {pipeline} pipeline on {device.type}, service at {url}, "
@@ -161,7 +181,7 @@ def run_demo(
             route = pipelines.ROUTES[(pipeline, fixed)]
             aggregators[route] = Aggregator()
             bar = _Progress(requests, "optimized" if fixed else "baseline", progress)
-            _drive(url, route, requests, concurrency, payload, bar)
+            clients[fixed] = _drive(url, route, requests, concurrency, payload, bar)
             handle.force_flush()
             summaries[fixed] = aggregators[route].summary()
             if bar.errors:
@@ -185,9 +205,11 @@ def run_demo(
             if not fixed:
                 agg = from_file
     print(text_report(summaries[False], f"stagetrace demo ({pipeline}, {route})"))
+    print(_clients_line(clients[False]))
     if optimized:
         print()
         print(text_report(summaries[True], f"stagetrace demo ({pipeline}, {pipelines.ROUTES[(pipeline, True)]})"))
+        print(_clients_line(clients[True]))
         print("\nBefore and after\n" + _compare(summaries[False], summaries[True]))
     html_path = out / "report.html"
     title = f"stagetrace demo: {pipeline} pipeline"
