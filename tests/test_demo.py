@@ -38,12 +38,15 @@ def test_demo_runs_and_report_reads_what_it_wrote(tmp_path):
     assert "EVENT_LOOP_BLOCKED" in text  # the naive pipeline decodes on the event loop
     assert "24/24" in demo.stderr  # the progress bar
     # The traces last what their clients lived: each starts when its request reached the server, the wait
-    # for the blocked event loop included (a client of the demo's in another process).
+    # for the blocked event loop included (a client of the demo's in another process). The median, since
+    # the p95 of 24 requests is one request (a connection's first can pay the client's own start-up); the
+    # traces never last longer than what their clients lived.
     traced = re.search(r"request latency: p50 ([\d.]+) ms, p95 ([\d.]+) ms", text)
     lived = re.search(r"as the clients timed them: p50 ([\d.]+) ms, p95 ([\d.]+) ms", text)
     assert traced and lived, text
-    for trace_ms, client_ms in zip(map(float, traced.groups()), map(float, lived.groups())):
-        assert abs(trace_ms - client_ms) <= max(0.1 * client_ms, 5.0), (traced.groups(), lived.groups())
+    (trace_p50, trace_p95), (client_p50, client_p95) = map(float, traced.groups()), map(float, lived.groups())
+    assert abs(trace_p50 - client_p50) <= max(0.1 * client_p50, 5.0), (traced.groups(), lived.groups())
+    assert trace_p95 <= client_p95 + max(0.1 * client_p95, 5.0), (traced.groups(), lived.groups())
     page = (out_dir / "report.html").read_text()
     assert page.count('<svg class="waterfall"') >= 5  # the slowest traces, each with its waterfall
     (traces,) = out_dir.glob("traces-*.jsonl")
