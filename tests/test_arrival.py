@@ -22,7 +22,7 @@ from stagetrace import conventions as c
 from stagetrace.analysis.loopwait import LoopBlock, request_arrival
 from stagetrace.capture.arrival import TASK_ARRIVAL, arrival_factory, ensure_task_factory, take_arrival
 from stagetrace.report.loader import spans_from_line
-from stagetrace.testing.load import terminate, wait_for_port
+from stagetrace.testing.load import free_port, terminate, wait_for_port
 
 MS = 1_000_000
 HERE = Path(__file__).resolve().parent
@@ -149,8 +149,11 @@ def test_a_request_whose_task_waited_behind_a_blocking_stage_starts_at_its_arriv
     verdicts = {v.root_name: v for v in harness.wait_verdicts(2)}
     victim, blocker = verdicts["victim"], verdicts["blocker"]
     assert victim.bottleneck == c.EVENT_LOOP_WAIT
-    assert victim.breakdown[c.EVENT_LOOP_WAIT] == pytest.approx(30, abs=6)
-    assert victim.total_ms >= 28 and victim.blocked_by and victim.blocked_by[0].startswith("decode@")
+    # its task existed before the blocker's stage began and its root opened after it ended: the whole
+    # stage (however long a loaded host made it) is in the wait
+    assert victim.breakdown[c.EVENT_LOOP_WAIT] >= blocker.breakdown["decode"] - 0.5
+    assert victim.total_ms >= victim.breakdown[c.EVENT_LOOP_WAIT]
+    assert victim.blocked_by and victim.blocked_by[0].startswith("decode@")
     (root,) = harness.by_name("victim")
     shifted = root.attributes[c.ROOT_SHIFTED_MS]
     assert shifted == pytest.approx(victim.breakdown[c.EVENT_LOOP_WAIT], abs=0.01)
@@ -239,14 +242,6 @@ print(json.dumps(lived))
 """
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 SERVERS = {
     "uvicorn": ["-m", "uvicorn", "loop_app:app", "--host", "127.0.0.1", "--port", "{port}"],
     "hypercorn": ["-m", "hypercorn", "loop_app:app", "--bind", "127.0.0.1:{port}"],
@@ -262,7 +257,7 @@ def test_on_a_real_server_every_trace_lasts_what_its_client_lived(spare_cpus, tm
     40 ms stage holds the loop, so most wait behind others' (as bytes in their sockets and as ready tasks).
     Each trace must last what its client lived, within 10 % or 5 ms, and the delayed ones be headlined
     ``event_loop.wait``, naming what held the loop."""
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
     env.update(
         STAGETRACE_OUTPUT_DIR=str(tmp_path),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import pytest
 import yaml
 
 from stackcheck import check_collector_config
+from stagetrace.testing.load import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 COLLECTOR_CONFIGS = sorted((ROOT / "collector-config").glob("*.yaml"))
@@ -174,12 +174,6 @@ def test_every_dashboard_query_parses_with_promtool(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=5) as resp:
         return json.loads(resp.read())
@@ -202,7 +196,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
     from stagetrace.gpu import attach_gpu
     from stagetrace.settings import Settings
 
-    metrics_port, prom_port = _free_port(), _free_port()
+    metrics_port, prom_port = free_port(), free_port()
     reader = PrometheusMetricReader()
     handle = stagetrace.configure(
         "stack-app",

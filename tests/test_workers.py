@@ -4,7 +4,6 @@ lost or duplicated (uvicorn --workers, gunicorn with UvicornWorker, with and wit
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,15 +14,9 @@ import pytest
 from servers import hit
 from stagetrace import conventions as c
 from stagetrace.report.loader import spans_from_line
-from stagetrace.testing.load import terminate, wait_for_port
+from stagetrace.testing.load import free_port, terminate, wait_for_port
 
 HERE = Path(__file__).resolve().parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _roots(out_dir: Path) -> tuple[list, set[str]]:
@@ -47,7 +40,7 @@ COMMANDS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("server", list(COMMANDS))
 def test_every_worker_exports_its_own_verdicts_exactly_once(server, tmp_path):
-    port = _free_port()
+    port = free_port()
     args = COMMANDS[server] + ([str(port)] if "uvicorn --" in server else [f"127.0.0.1:{port}", "fork_app:app"])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
     env.update(STAGETRACE_OUTPUT_DIR=str(tmp_path), PYTHONPATH=str(HERE), STAGETRACE_HEALTHY_SAMPLE="1")

@@ -140,7 +140,8 @@ def _rss_mb(pid: int) -> float:
     return 0.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now, for a server a test or benchmark starts."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -196,7 +197,7 @@ def check_traces(out_dir: Path) -> dict[str, Any]:
 
 
 def run(duration_s: float, concurrency: int, out_dir: Path, max_requests: int = 10_000_000) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
     server = subprocess.Popen(
