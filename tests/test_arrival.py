@@ -181,7 +181,7 @@ def test_a_root_that_started_at_once_keeps_the_framework_s_start(harness):
     assert c.ROOT_SHIFTED_MS not in root.attributes and c.ROOT_FRAMEWORK_START_NS not in root.attributes
 
 
-@pytest.mark.parametrize(("held_ms", "shifted"), [(1.0, False), (12, True)])
+@pytest.mark.parametrize(("held_ms", "shifted"), [(2.0, False), (12, True)])
 def test_a_wait_no_stage_explains_counts_only_when_it_is_long(harness, held_ms, shifted):
     """Behind unstaged work on the loop (the server's own, for its other connections) a wait of a few ms is
     left out; a longer one is still what the request lived, an ``event_loop.wait`` naming no blocker. The
@@ -203,6 +203,8 @@ def test_a_wait_no_stage_explains_counts_only_when_it_is_long(harness, held_ms, 
         await asyncio.gather(asyncio.create_task(unstaged()), asyncio.create_task(request()))
 
     asyncio.run(main())
+    if not shifted and held[0] > 3.5:  # the rule is under 5 ms: a hold the host stretched past it tests nothing
+        pytest.skip(f"this host stretched a {held_ms} ms sleep to {held[0]:.1f} ms")
     (v,) = harness.wait_verdicts(1)
     (root,) = harness.by_name("request")
     assert (c.EVENT_LOOP_WAIT in v.breakdown) is shifted, (held, v.breakdown)
@@ -214,22 +216,44 @@ def test_a_wait_no_stage_explains_counts_only_when_it_is_long(harness, held_ms, 
 # --- a real server, real clients ----------------------------------------------------------------------------
 
 _TIMED_CLIENT = """
-import http.client, json, os, sys, threading, time
+import json, os, socket, struct, sys, threading, time
+
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux: the kernel's receive time of each segment
+
+def exchange(sock, path, headers=""):
+    # send one request; the ms from just before the send to the kernel's receive time of the response's last
+    # segment: what the client lived, whenever its own thread gets the CPU to read it
+    t0 = time.time_ns()
+    sock.sendall(f"GET {path} HTTP/1.1\\r\\nHost: t\\r\\n{headers}\\r\\n".encode())
+    data, last = b"", t0
+    while True:
+        chunk, ancillary, _, _ = sock.recvmsg(65536, socket.CMSG_SPACE(16))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+        for level, kind, raw in ancillary:
+            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
+                sec, nsec = struct.unpack("qq", raw[:16])
+                last = sec * 10**9 + nsec
+        head, sep, body = data.partition(b"\\r\\n\\r\\n")
+        if sep:
+            fields = [line.split(b":", 1) for line in head.split(b"\\r\\n")[1:]]
+            length = int(next(value for name, value in fields if name.lower() == b"content-length"))
+            if len(body) >= length:
+                assert head.startswith(b"HTTP/1.1 200"), head
+                return (last - t0) / 1e6
 
 def client(port, rounds, lived, start):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.request("GET", "/work")  # warm: the connection is open and idle when the timed requests go
-    conn.getresponse().read()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    exchange(sock, "/work")  # warm: the connection is open and idle when the timed requests go
     start.wait()
     for _ in range(rounds):
         trace_id = os.urandom(16).hex()
-        headers = {"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"}
-        t0 = time.perf_counter()
-        conn.request("GET", "/work", headers=headers)
-        response = conn.getresponse()
-        response.read()
-        lived[trace_id] = (time.perf_counter() - t0) * 1000
-        assert response.status == 200
+        header = f"traceparent: 00-{trace_id}-{os.urandom(8).hex()}-01\\r\\n"
+        lived[trace_id] = exchange(sock, "/work", header)
+    sock.close()
 
 port, clients, rounds = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 lived, start = {}, threading.Barrier(clients)
@@ -252,8 +276,9 @@ SERVERS = {
 @pytest.mark.parametrize("server_name", list(SERVERS))
 def test_on_a_real_server_every_trace_lasts_what_its_client_lived(spare_cpus, tmp_path, server_name):
     """On uvicorn and on hypercorn (both: the request's socket read as its task is created), eight clients
-    (threads of another process, each on its own warm keep-alive connection, with a minimal client: an
-    asyncio client's own loop would delay reading the responses) send three requests each; each request's
+    (threads of another process, each on its own warm keep-alive connection, timing each response by the
+    kernel's receive time of its last segment, so that the client's own wait for a CPU on this busy host is
+    not counted) send three requests each; each request's
     40 ms stage holds the loop, so most wait behind others' (as bytes in their sockets and as ready tasks).
     Each trace must last what its client lived, within 10 % or 5 ms, and the delayed ones be headlined
     ``event_loop.wait``, naming what held the loop."""

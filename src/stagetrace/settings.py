@@ -33,6 +33,7 @@ ARRIVAL_WAIT_MIN_NS = 1_000_000
 # for its other connections: left out too, rather than an event_loop.wait on every request under load.
 ARRIVAL_UNEXPLAINED_MIN_NS = 5_000_000
 ARRIVAL_ADJACENT_NS = 2_000_000  # blocks this close to each other (or to the task's creation) bound an arrival
+ARRIVAL_LOOKBACK_NS = 1_000_000_000  # how far before an arrival the exporter looks for such blocks
 GIL_MIN_SAMPLES = 3  # GIL-pressure wake-ups a trace's window needs before the pressure counts as measured
 MAX_WORKER_RUNS = 256  # runs of a request's code on worker threads kept per trace (own time, not loop wait)
 MAX_BLOCKED_BY = 8  # blocking stages named in stagetrace.blocked_by

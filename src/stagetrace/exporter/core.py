@@ -29,6 +29,7 @@ from stagetrace.exporter.sampling import Keep, PendingBatches, RecentDecisions, 
 from stagetrace.handoff import wire
 from stagetrace.settings import (
     ARRIVAL_ADJACENT_NS,
+    ARRIVAL_LOOKBACK_NS,
     ARRIVAL_UNEXPLAINED_MIN_NS,
     ARRIVAL_WAIT_MIN_NS,
     LOOP_WAIT_MIN_NS,
@@ -292,7 +293,10 @@ class ExporterCore:
         root unchanged, with the bound of an arrival that cannot be placed."""
         offset = t.offset
         framework_start = root[wire.SPAN_START] - offset
-        blocks = self.loop_blocks.overlapping(t.loop_thread, t.task_created_ns - 60 * 10**9, framework_start)
+        # The blocks that can matter: from the bytes' arrival (or the task's creation) on, and those that
+        # ended up to a second before it, which may bound an arrival that cannot be read.
+        earliest = t.task_created_ns - max(t.received_ms_ago, 0) * 1_000_000 - ARRIVAL_LOOKBACK_NS
+        blocks = self.loop_blocks.overlapping(t.loop_thread, earliest, framework_start)
         arrival = request_arrival(
             t.task_created_ns, t.received_ms_ago, blocks, t.trace_id, adjacent_ns=ARRIVAL_ADJACENT_NS
         )
