@@ -103,7 +103,7 @@ def test_exception_is_recorded_and_reraised_unchanged(harness):
 
 def test_stage_outside_any_trace_opens_its_own_root(harness):
     with stagetrace.stage("standalone"):
-        time.sleep(0.001)
+        time.sleep(0.03)  # long beside the implicit root's own start and end, which a loaded host stretches
     spans = harness.spans()
     roots = [s for s in spans if s.parent is None]
     assert [r.name for r in roots] == ["standalone"]
