@@ -33,6 +33,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 
 from stagetrace._compat import clean_attribute_value_as_sdk
 from stagetrace._safety import report_internal_error
+from stagetrace.capture.records import SpanContextOnDemand
 
 # The SDK's own logger and messages, so that a misuse reads the same whichever span class caught it.
 _sdk_logger = logging.getLogger("opentelemetry.sdk.trace")
@@ -61,7 +62,19 @@ def _valid_link(context: SpanContext | None, attributes: Any) -> bool:
     return bool(context and (context.is_valid or (attributes or context.trace_state)))
 
 
-class LightSpan(trace_api.Span):
+def _append_bounded(items: list[Any], item: Any, max_len: int | None) -> int:
+    """The SDK's ``BoundedList.append``: past ``max_len`` the oldest goes. How many were dropped (0 or 1)."""
+    if max_len is not None and len(items) >= max_len:
+        if max_len == 0:
+            return 1
+        del items[0]
+        items.append(item)
+        return 1
+    items.append(item)
+    return 0
+
+
+class LightSpan(SpanContextOnDemand, trace_api.Span):
     """A recording span that lives on the request thread as plain fields.
 
     It is also readable (``name``, ``attributes``, ``events``, ``status``, ...), like the SDK's span, for
@@ -93,7 +106,6 @@ class LightSpan(trace_api.Span):
     _events: list[tuple[str, int, dict[str, Any]]] | None = None
     _links: list[tuple[SpanContext, dict[str, Any]]] | None = None
     _status: Status | None = None
-    _span_context: SpanContext | None = None
     record_exception_on_exit = True  # False when started with record_exception=False
     status_on_exit = True  # False when started with set_status_on_exception=False
     is_root = False  # a local root: the span processor opens and closes its trace record
@@ -130,14 +142,6 @@ class LightSpan(trace_api.Span):
         self._attributes: dict[str, Any] = {}
 
     # --- what the span API promises ---------------------------------------------------------------------
-    def get_span_context(self) -> SpanContext:
-        sc = self._span_context
-        if sc is None:
-            sc = self._span_context = SpanContext(
-                self.trace_id, self.span_id, False, self.trace_flags, self.trace_state
-            )
-        return sc
-
     def is_recording(self) -> bool:
         return self.end_time is None
 
@@ -214,16 +218,10 @@ class LightSpan(trace_api.Span):
         if self.end_time is not None:
             _sdk_logger.warning("Tried calling %s on an ended span.", "_add_event")
             return
-        events = self._events
-        if events is None:
-            events = self._events = []
-        max_events = limits.max_events
-        if max_events is not None and len(events) >= max_events:
-            self.dropped_events += 1
-            if max_events == 0:
-                return
-            del events[0]
-        events.append((name, time_ns() if timestamp is None else timestamp, attrs))
+        if self._events is None:
+            self._events = []
+        event = (name, time_ns() if timestamp is None else timestamp, attrs)
+        self.dropped_events += _append_bounded(self._events, event, limits.max_events)
 
     def add_link(self, context: SpanContext, attributes: Mapping[str, Any] | None = None) -> None:
         if not _valid_link(context, attributes):
@@ -236,16 +234,9 @@ class LightSpan(trace_api.Span):
     def _append_link(self, context: SpanContext, attributes: Mapping[str, Any] | None) -> None:
         limits = self.limits
         attrs, _ = cleaned_attributes(attributes, limits.max_link_attributes, limits.max_attribute_length)
-        links = self._links
-        if links is None:
-            links = self._links = []
-        max_links = limits.max_links
-        if max_links is not None and len(links) >= max_links:
-            self.dropped_links += 1
-            if max_links == 0:
-                return
-            del links[0]
-        links.append((context, attrs))
+        if self._links is None:
+            self._links = []
+        self.dropped_links += _append_bounded(self._links, (context, attrs), limits.max_links)
 
     def update_name(self, name: str) -> None:
         if self.end_time is not None:

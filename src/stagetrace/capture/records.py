@@ -60,7 +60,27 @@ class CaptureRuntime(Protocol):
     def requests_on_loop(self, thread: int) -> int: ...
 
 
-class StageRecord(NonRecordingSpan):
+class SpanContextOnDemand:
+    """The ``SpanContext`` of a capture record, built the first time something asks for it (a child span
+    opened by another instrumentation): most records are never asked. Shared by stages and light spans,
+    whose span base classes give them a ``__dict__`` anyway, where ``_span_context`` goes once built."""
+
+    trace_id: int
+    span_id: int
+    trace_flags: Any
+    trace_state: Any
+    _span_context: SpanContext | None = None
+
+    def get_span_context(self) -> SpanContext:
+        sc = self._span_context
+        if sc is None:
+            sc = self._span_context = SpanContext(
+                self.trace_id, self.span_id, False, self.trace_flags, self.trace_state
+            )
+        return sc
+
+
+class StageRecord(SpanContextOnDemand, NonRecordingSpan):
     """One stage occurrence, and the stage's own non-recording span while it runs.
 
     Being the span itself saves building a SpanContext and a wrapper per stage: the SpanContext is made
@@ -97,7 +117,6 @@ class StageRecord(NonRecordingSpan):
     implicit_root: Any = None  # the root this stage opened because it ran outside any trace
     on_event_loop = False
     blocks_loop = False  # on the loop thread and not inside another stage that already holds it
-    _span_context: SpanContext | None = None
     # Shipped fields (handoff.wire.STAGE_FIELDS) beyond times and ids, filled in by the integrations and
     # by the GPU timer on the helper thread.
     gpu_ms: float | None = None
@@ -143,15 +162,7 @@ class StageRecord(NonRecordingSpan):
     def wall_ms(self) -> float:
         return max(0, self.end_ns - self.start_ns) / 1e6
 
-    # --- the non-recording span API ------------------------------------------------------------------
-    def get_span_context(self) -> SpanContext:
-        sc = self._span_context
-        if sc is None:
-            sc = self._span_context = SpanContext(
-                self.trace_id, self.span_id, False, self.trace_flags, self.trace_state
-            )
-        return sc
-
+    # --- the non-recording span API (get_span_context: SpanContextOnDemand) --------------------------
     def set_attribute(self, key: str, value: Any) -> None:
         attrs = self.attributes
         if attrs is None:
