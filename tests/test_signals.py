@@ -69,6 +69,72 @@ def test_gil_pressure_is_the_mean_within_the_requests_own_window_and_needs_three
     assert sampler_mean_ms(s, 1005 * MS, 1030 * MS, period_s=0.010) == pytest.approx(0.15)
 
 
+def test_one_wake_up_held_back_a_whole_switch_interval_is_a_measurement_of_contention():
+    """A free GIL lets a woken sampler through in ~0.1 ms; only a holder running Python through its interval
+    makes it wait 5 ms. A 20 ms request spans about two of the sampler's periods, too few to average."""
+    from stagetrace.exporter.signals import sampler_mean_ms
+
+    one = series((1012, 6.0))
+    assert sampler_mean_ms(one, 1000 * MS, 1020 * MS, period_s=0.010) is None  # without the proof: too few
+    assert sampler_mean_ms(one, 1000 * MS, 1020 * MS, period_s=0.010, proof_ms=5.0) == 6.0
+    quick = series((1005, 0.1), (1015, 4.9))  # nothing waited a whole interval: still not measured
+    assert sampler_mean_ms(quick, 1000 * MS, 1020 * MS, period_s=0.010, proof_ms=5.0) is None
+
+
+def test_the_other_threads_run_queue_is_read_between_wake_ups_that_bracket_the_stage():
+    from stagetrace.exporter.signals import cumulative_change, resolve_others_runqueue
+
+    total = series((1000, 10.0), (1010, 12.0), (1020, 15.0), (1030, 21.0))  # cumulative ms
+    assert cumulative_change(total, 1005 * MS, 1015 * MS) == 5.0  # 1000 -> 1020: never less than inside
+    assert cumulative_change(total, 1010 * MS, 1020 * MS) == 3.0  # readings at the edges count as bracketing
+    assert cumulative_change(total, 995 * MS, 1015 * MS) is None  # no reading before the stage
+    assert cumulative_change(total, 1005 * MS, 1035 * MS) is None  # none after it (yet)
+
+    from types import SimpleNamespace
+
+    stage = SimpleNamespace(start_ns=5 * MS, end_ns=15 * MS, blocked_ms=6.0, runqueue_ms=1.5, others_runqueue_ms=None)
+    resolve_others_runqueue(stage, total, offset_ns=1000 * MS)  # the stage's own 1.5 ms is not another's
+    assert stage.others_runqueue_ms == 3.5
+    unresolved = SimpleNamespace(start_ns=5 * MS, end_ns=15 * MS, blocked_ms=None, others_runqueue_ms=None)
+    resolve_others_runqueue(unresolved, total, offset_ns=1000 * MS)  # no CPU figures: nothing to bound
+    assert unresolved.others_runqueue_ms is None
+
+
+def test_the_process_run_queue_total_grows_with_every_thread_but_the_one_reading_it():
+    """Real threads on this host: the total counts their run-queue waits (and a thread's first reading its
+    whole past), never shrinks when one exits, and leaves out the sampler's own thread."""
+    import threading
+
+    from stagetrace.capture.cpu import ProcessRunQueue
+
+    if not os.path.exists("/proc/thread-self/schedstat"):
+        pytest.skip("needs Linux schedstat")
+    reader = ProcessRunQueue(threading.get_native_id(), relist_every=1)
+    assert reader.available
+    before = reader.total_ms()
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    threads = [threading.Thread(target=spin) for _ in range((os.cpu_count() or 1) + 2)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.3)  # more runnable threads than CPUs: they queue
+        during = reader.total_ms()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    after = reader.total_ms()
+    assert during > before and after >= during
+    assert all(tid != threading.get_native_id() for tid in reader._fds)
+    reader.close()
+    assert reader._fds == {}
+
+
 # --- how much of a stage's blocked time was provably not the GIL ------------------------------------------
 
 
@@ -222,3 +288,79 @@ def test_the_gil_sampler_sleeps_while_no_trace_is_in_flight_and_wakes_with_the_f
         assert sampler.series.drain() == []  # idle again
     finally:
         sampler.stop()
+
+
+# --- a trace waits for the GIL sampler's first wake-up after its end ------------------------------------------
+
+
+def test_a_trace_waits_for_the_samplers_reading_after_its_end_with_what_came_after_it(monkeypatch):
+    """A sampler held back by the GIL reports that wait only once through: a trace shipped before then would
+    be judged without it (no GIL pressure on the requests that lived the most). The helper thread holds such a
+    trace, and everything after it in order, until the readings reach its end or SIGNALS_WAIT_S passes."""
+    from types import SimpleNamespace
+
+    from stagetrace.handoff import shipper as shipper_module
+    from stagetrace.handoff.shipper import Shipper
+    from stagetrace.settings import SIGNALS_WAIT_S, Settings
+
+    reached = {"ns": 100}
+    shipper = Shipper(
+        settings=Settings(),
+        transport_factory=lambda s: None,  # never started here
+        app_metrics=None,
+        registry=SimpleNamespace(clear=lambda: None),
+        signals_cover=lambda end_ns: reached["ns"] >= end_ns,
+    )
+    clock = {"now": 50.0}
+    monkeypatch.setattr(shipper_module.time, "monotonic", lambda: clock["now"])
+    covered = ("trace-a", SimpleNamespace(end_time=90))
+    waiting = ("trace-b", SimpleNamespace(end_time=150))
+    lone = object()  # a lone stage or span: no end of its own to wait for, but it keeps its place
+    assert shipper._through_gate([covered, waiting, lone], final=False) == [covered]
+    later = ("trace-c", SimpleNamespace(end_time=120))
+    assert shipper._through_gate([later], final=False) == []  # behind the one still waiting
+    reached["ns"] = 130  # the sampler woke after c ended, not yet after b: both still wait
+    assert shipper._through_gate([], final=False) == []
+    reached["ns"] = 160
+    assert shipper._through_gate([], final=False) == [waiting, lone, later]
+    # a sampler that never reports again: the trace goes once it has waited SIGNALS_WAIT_S
+    stuck = ("trace-d", SimpleNamespace(end_time=10**12))
+    assert shipper._through_gate([stuck], final=False) == []
+    clock["now"] += SIGNALS_WAIT_S + 0.001
+    assert shipper._through_gate([], final=False) == [stuck]
+    # at shutdown nothing waits
+    assert shipper._through_gate([("trace-e", SimpleNamespace(end_time=10**12))], final=True)
+
+
+def test_the_gil_sampler_covers_a_trace_once_it_woke_after_its_end_or_went_idle():
+    from stagetrace.capture.registry import TraceRegistry
+    from stagetrace.capture.samplers import GilPressureSampler
+
+    registry = TraceRegistry(16, 60.0, lambda reason, n: None)
+    sampler = GilPressureSampler(0.005, in_flight=registry.__len__)
+    registry.idle_wake = sampler.wake
+    assert sampler.covers(time.time_ns() + 10**12)  # not running: nothing to wait for
+    sampler.ensure_running()
+    try:
+        registry.open(1, 2, time.time_ns())
+        end = time.time_ns()
+        deadline = time.monotonic() + 5
+        while not sampler.covers(end) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert sampler.covers(end) and not sampler.covers(time.time_ns() + 10**12)
+        idle_before = sampler.idle_waits
+        registry.close(1, 2)
+        closed = time.time_ns()
+        deadline = time.monotonic() + 5
+        while sampler.idle_waits == idle_before and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert sampler.covers(closed)  # gone idle: every trace that ended before then is covered
+        before = len(sampler.process_run_queue.drain())
+        sampler.note_run_queues()  # the helper thread's own reading, before it ships
+        assert len(sampler.process_run_queue.drain()) == 1 and before >= 1
+    finally:
+        sampler.stop()
+    deadline = time.monotonic() + 5
+    while sampler._thread is not None and sampler._thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sampler.covers(time.time_ns() + 10**12)  # stopped: nothing to wait for

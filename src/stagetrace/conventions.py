@@ -10,6 +10,9 @@ CPU_MS = "stagetrace.cpu_ms"
 BLOCKED_MS = "stagetrace.blocked_ms"
 RUNQUEUE_MS = "stagetrace.runqueue_ms"
 NOT_GIL_MS = "stagetrace.blocked.not_gil_ms"  # of blocked_ms, at least this much in waits longer than a GIL wait
+# while the stage ran, the run-queue wait of the process's other threads: the most of blocked_ms that preempted GIL
+# holders (or the GIL handed to a thread still queued for a CPU) can explain
+OTHERS_RUNQUEUE_MS = "stagetrace.blocked.others_runqueue_ms"
 ON_EVENT_LOOP = "stagetrace.on_event_loop"
 GPU_DURATION_MS = "stagetrace.gpu.duration_ms"
 GPU_UTILIZATION = "stagetrace.gpu.utilization"
@@ -92,6 +95,7 @@ STAGE_SIGNALS: tuple[tuple[str, str, type], ...] = (
     ("blocked_ms", BLOCKED_MS, float),
     ("runqueue_ms", RUNQUEUE_MS, float),
     ("not_gil_ms", NOT_GIL_MS, float),
+    ("others_runqueue_ms", OTHERS_RUNQUEUE_MS, float),
     ("gpu_ms", GPU_DURATION_MS, float),
     ("h2d_bytes", H2D_BYTES, int),
     ("h2d_pinned", H2D_PINNED, bool),

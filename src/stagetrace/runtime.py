@@ -21,7 +21,13 @@ from stagetrace.exporter.aggregation import AggregatedMetrics
 from stagetrace.exporter.core import ExporterCore
 from stagetrace.exporter.metrics import MetricsRecorder, MetricsSink, SdkInstruments
 from stagetrace.exporter.outputs import LocalOutputs, NoMetrics, SpanForwarder
-from stagetrace.exporter.signals import GIL_SERIES, LOOP_HELD_SERIES, LOOP_SERIES, RUN_QUEUE_SERIES
+from stagetrace.exporter.signals import (
+    GIL_SERIES,
+    LOOP_HELD_SERIES,
+    LOOP_SERIES,
+    PROCESS_RUN_QUEUE_SERIES,
+    RUN_QUEUE_SERIES,
+)
 from stagetrace.handoff.processor import StagetraceSpanProcessor
 from stagetrace.handoff.shipper import Shipper, Transport
 from stagetrace.handoff.transport import InlineTransport, ProcessTransport
@@ -81,6 +87,7 @@ class Runtime:
         if self.gil_sampler is not None:
             sources[GIL_SERIES] = self.gil_sampler.series
             sources[RUN_QUEUE_SERIES] = self.gil_sampler.run_queue
+            sources[PROCESS_RUN_QUEUE_SERIES] = self.gil_sampler.process_run_queue
         self.loop_blocks = LoopBlockBuffer()
         self.requests_on_loop = self.registry.on_loop
         self.shipper = Shipper(
@@ -90,6 +97,8 @@ class Runtime:
             registry=self.registry,
             signal_sources=sources,
             loop_blocks=self.loop_blocks,
+            before_signals=self.gil_sampler.note_run_queues if self.gil_sampler is not None else None,
+            signals_cover=self.gil_sampler.covers if self.gil_sampler is not None else None,
         )
         self.processor = StagetraceSpanProcessor(
             registry=self.registry,

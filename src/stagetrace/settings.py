@@ -35,6 +35,7 @@ ARRIVAL_UNEXPLAINED_MIN_NS = 5_000_000
 ARRIVAL_ADJACENT_NS = 2_000_000  # blocks this close to each other (or to the task's creation) bound an arrival
 ARRIVAL_LOOKBACK_NS = 1_000_000_000  # how far before an arrival the exporter looks for such blocks
 GIL_MIN_SAMPLES = 3  # GIL-pressure wake-ups a trace's window needs before the pressure counts as measured
+SIGNALS_WAIT_S = 0.3  # how long the helper thread holds a trace for the GIL sampler's first wake-up after its end
 MAX_WORKER_RUNS = 256  # runs of a request's code on worker threads kept per trace (own time, not loop wait)
 MAX_BLOCKED_BY = 8  # blocking stages named in stagetrace.blocked_by
 MAX_LINKS_PER_SPAN = 128  # the SDK's default span link limit (OTEL_SPAN_LINK_COUNT_LIMIT), which backends share

@@ -47,6 +47,16 @@ def busy(ms: float) -> int:
     return n
 
 
+def busy_cpu(ms: float) -> int:
+    """Pure-Python work of a fixed ``ms`` of this thread's CPU time: what it waits for (the GIL) adds to its
+    wall time, as a tokenizer's fixed work does."""
+    end = time.thread_time() + ms / 1000
+    n = 0
+    while time.thread_time() < end:
+        n += 1
+    return n
+
+
 _BLOCK = bytes(range(256)) * 1024
 
 
@@ -120,15 +130,16 @@ def loop_blocked(*, blocking: bool) -> Workload:
 # --- GIL_CONTENTION / LOCK_OR_IO_WAIT -----------------------------------------------------------------------
 
 
-def gil_contended(*, hogs: int) -> Workload:
-    """Each request's pure-Python stage shares the GIL with ``hogs`` threads spinning in Python, long enough
-    (20 switch intervals) that its share of the GIL is not the luck of a few handoffs."""
+def gil_contended(*, hogs: int, work_ms: float = 100, fixed_cpu: bool = False) -> Workload:
+    """Each request's pure-Python stage shares the GIL with ``hogs`` threads spinning in Python: by default
+    long enough (20 switch intervals) that its share of the GIL is not the luck of a few handoffs; the pairs
+    scenario's 20 ms spans about two of the GIL sampler's periods."""
     app = fastapi_app()
 
     @app.get("/tokenize")
     def tokenize() -> dict[str, int]:
         with stagetrace.stage("tokenize"):
-            busy(100)  # pure Python: needs the GIL throughout
+            (busy_cpu if fixed_cpu else busy)(work_ms)  # pure Python: needs the GIL throughout
         return {}
 
     def spin(stop: threading.Event) -> None:
@@ -160,6 +171,28 @@ def lock_waited(*, held: bool) -> Workload:
 
 def waited_for_the_lock(v: Verdict) -> bool:
     return v.breakdown.get("cache_lookup", 0.0) >= 10.0  # 1 ms of work: 9 ms or more behind the holder
+
+
+def lock_held_across_gil_free_work() -> Workload:
+    """Each request holds a lock across 20 ms of zlib work, which releases the GIL: two at a time, one waits
+    for the other's, with the GIL free all along."""
+    app = fastapi_app()
+    lock = threading.Lock()
+
+    @app.get("/pack")
+    def pack() -> dict[str, int]:
+        with stagetrace.stage("pack"), lock:
+            return {"n": compress(20)}
+
+    return Workload(app, "/pack")
+
+
+def waited_for_the_other_request(v: Verdict) -> bool:
+    return v.breakdown.get("pack", 0.0) >= 25.0  # 20 ms of its own work: 5 ms or more behind the other's
+
+
+def waited_for_the_gil(v: Verdict) -> bool:
+    return v.breakdown.get("tokenize", 0.0) >= 25.0  # 20 ms of Python's CPU: 5 ms or more waiting
 
 
 # --- CPU_OVERSUBSCRIBED --------------------------------------------------------------------------------------
@@ -330,11 +363,29 @@ SCENARIOS: tuple[Scenario, ...] = (
         ("gil-contended", lambda: gil_contended(hogs=1), 8, 1),
         ("gil-free", lambda: gil_contended(hogs=0), 8, 1),
     ),
+    # Two requests at a time beside the hog: each also waits for the other's pure-Python stage (its twin is
+    # gil-free: alone, a request's stage waits for nothing). The framework's own code around the stage waits
+    # for the GIL too, in no stage.
+    Scenario(
+        "gil-contended-pairs",
+        "GIL_CONTENTION",
+        lambda: gil_contended(hogs=1, work_ms=20, fixed_cpu=True),
+        requests=15,
+        concurrency=2,
+        allowed=frozenset({"UNTRACKED_TIME"}),
+        lived=waited_for_the_gil,
+    ),
     *twins(
         "LOCK_OR_IO_WAIT",
         ("lock-waited", lambda: lock_waited(held=True), 10, 2),
         ("lock-free", lambda: lock_waited(held=False), 10, 2),
         lived=waited_for_the_lock,
+    ),
+    *twins(
+        "LOCK_OR_IO_WAIT",
+        ("lock-across-gil-free-work", lambda: lock_held_across_gil_free_work(), 15, 2),
+        ("lock-uncontended", lambda: lock_held_across_gil_free_work(), 8, 1),
+        lived=waited_for_the_other_request,
     ),
     *twins(
         "CPU_OVERSUBSCRIBED",

@@ -215,8 +215,31 @@ def _proven_not_gil(s: StageLike, th: DiagnosisThresholds) -> bool:
     return _at_least(s.not_gil_ms, th.blocked_min_ms, th.blocked_share, s)
 
 
+def _blocked_ms(s: StageLike) -> float:
+    return s.blocked_ms or 0.0
+
+
 # Why a CPU stage was blocked (off-CPU, not waiting for a CPU), as far as the signals can tell.
 GIL, LOCK, PREEMPTED_HOLDERS, UNDETERMINED = "gil", "lock", "preempted holders", "undetermined"
+
+
+def _cause_not_preemption(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds, preempted_ms: float) -> str:
+    """The cause of blocked time that preempted holders do not explain (all but ``preempted_ms`` of it):
+
+    - LOCK: the stage's own scheduler counts prove that much of it was in waits longer than any wait for the
+      GIL (``not_gil_ms``), or the GIL sampler found the GIL free;
+    - GIL: waits as short as GIL waits, beyond ``preempted_ms``, while the sampler found the GIL contended;
+    - UNDETERMINED: GIL pressure not measured, or between free and contended.
+    """
+    if _proven_not_gil(s, th):
+        return LOCK
+    pressure = sig.gil_pressure_ms
+    gil_like = _at_least(_gil_explainable_ms(s) - preempted_ms, th.blocked_min_ms, th.blocked_share, s)
+    if gil_like and pressure is not None and pressure >= th.gil_pressure_ms:
+        return GIL
+    if pressure is not None and pressure < th.gil_free_ms:
+        return LOCK
+    return UNDETERMINED
 
 
 def _queued_for_cpu(s: StageLike, th: DiagnosisThresholds) -> bool:
@@ -245,23 +268,35 @@ def blocked_cause(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> s
       GIL waits were a whole switch interval and far longer than its waits for a CPU (holders running
       Python through their interval): then GIL, as it is on a host a little short of CPUs.
 
+    - LOCK: the GIL sampler found the GIL free: a holder the scheduler preempted keeps the GIL and would have
+      held the sampler's wake-ups back too (the stage's own wait for a CPU is its run-queue time, named
+      CPU_OVERSUBSCRIBED on its own when it is long).
+
+    Unless preemption cannot account for it: every wait on a preempted holder, or on the GIL handed to a
+    thread still queued for a CPU, is run-queue time of another thread of the process, so when the blocked
+    time less all of theirs meanwhile (``others_runqueue_ms``) still matters, the host's shortage does not
+    explain it and the cause is judged as with CPUs to spare, on that remainder.
+
     UNDETERMINED otherwise: GIL pressure not measured or between free and contended, long waits on a host
     short of CPUs (a lock, or the GIL handed to a thread stuck in the run queue), short ones on a host a little
     short of CPUs. Naming a cause there would be a guess.
     """
     if not _at_least(s.blocked_ms, th.blocked_min_ms, th.blocked_share, s):
         return None
+    if _cpus_to_spare(s, sig, th):
+        return _cause_not_preemption(s, sig, th, 0.0)
+    preempted_at_most = s.others_runqueue_ms
+    if preempted_at_most is not None and _at_least(
+        _blocked_ms(s) - preempted_at_most, th.blocked_min_ms, th.blocked_share, s
+    ):
+        return _cause_not_preemption(s, sig, th, preempted_at_most)
     proven = _proven_not_gil(s, th)
     gil_like = _at_least(_gil_explainable_ms(s), th.blocked_min_ms, th.blocked_share, s)
     pressure = sig.gil_pressure_ms
-    if _cpus_to_spare(s, sig, th):
-        if proven:
-            return LOCK
-        if gil_like and pressure is not None and pressure >= th.gil_pressure_ms:
-            return GIL
-        if pressure is not None and pressure < th.gil_free_ms:
-            return LOCK
-        return UNDETERMINED
+    # A GIL the sampler found free was neither held nor with a holder the scheduler had preempted.
+    free = pressure is not None and pressure < th.gil_free_ms
+    if free:
+        return LOCK
     if proven or not gil_like:
         return UNDETERMINED
     if _queued_for_cpu(s, th):
@@ -272,10 +307,6 @@ def blocked_cause(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> s
     if held:
         return GIL
     return PREEMPTED_HOLDERS if _host_out_of_cpus(sig, th) else UNDETERMINED
-
-
-def _blocked_ms(s: StageLike) -> float:
-    return s.blocked_ms or 0.0
 
 
 # The part of a blocked stage's time each cause accounts for (what ranks the stages of one cause).

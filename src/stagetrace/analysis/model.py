@@ -70,6 +70,8 @@ class StageLike(Protocol):
     @property
     def not_gil_ms(self) -> float | None: ...
     @property
+    def others_runqueue_ms(self) -> float | None: ...
+    @property
     def on_event_loop(self) -> bool: ...
     @property
     def h2d_bytes(self) -> int | None: ...
@@ -109,6 +111,7 @@ class StageSample:
     blocked_ms: float | None = None
     runqueue_ms: float | None = None
     not_gil_ms: float | None = None  # of blocked_ms, at least this much was not a wait for the GIL
+    others_runqueue_ms: float | None = None  # the process's other threads' run-queue wait meanwhile
     on_event_loop: bool = False
     h2d_bytes: int | None = None
     h2d_pinned: bool | None = None

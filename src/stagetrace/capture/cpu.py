@@ -73,3 +73,78 @@ class CpuSignals:
         pread: Any = self._pread  # set whenever schedstat is read (see __init__)
         n = pread(holder.fd, holder.buf, 64, 0)
         return holder.buf.raw[:n] if n > 0 else None
+
+
+class ProcessRunQueue:
+    """The run-queue wait of the process's threads, summed, for the GIL sampler's wake-ups.
+
+    On a host short of CPUs a wait for the GIL can be a wait for a holder the scheduler preempted (or for the
+    thread the GIL was handed to, still in the run queue). Every such stretch is run-queue time of some thread
+    of the process, so the sum over a stage's window bounds how much of its blocked time preemption can
+    explain (``exporter.signals.others_runqueue_ms``). The total only grows: each thread's positive change is
+    added, a new thread's whole past counted once (too much, never too little), a thread that has gone drops
+    out. The thread list is re-read every ``relist_every`` calls; one ``pread`` per thread otherwise.
+    """
+
+    def __init__(self, exclude_tid: int, relist_every: int = 10) -> None:
+        self._exclude = exclude_tid
+        self._relist_every = relist_every
+        self._calls = 0
+        self._fds: dict[int, int] = {}
+        self._last: dict[int, int] = {}
+        self._total_ns = 0
+        self._buf = ctypes.create_string_buffer(64)
+        self._pread = _gil_holding_pread()
+        self._lock = threading.Lock()  # read on the sampler's thread and the helper thread
+        self.available = self._pread is not None and os.path.isdir("/proc/self/task")
+
+    def total_ms(self) -> float:
+        with self._lock:
+            return self._read_total_ms()
+
+    def _read_total_ms(self) -> float:
+        if self._calls % self._relist_every == 0:
+            self._relist()
+        self._calls += 1
+        pread: Any = self._pread
+        buf = self._buf
+        for tid, fd in list(self._fds.items()):
+            n = pread(fd, buf, 64, 0)
+            if n <= 0:
+                self._forget(tid)
+                continue
+            try:
+                rq = int(buf.raw[:n].split()[1])
+            except (IndexError, ValueError):
+                self._forget(tid)
+                continue
+            self._total_ns += max(0, rq - self._last.get(tid, 0))
+            self._last[tid] = rq
+        return self._total_ns / 1e6
+
+    def _relist(self) -> None:
+        try:
+            tids = {int(name) for name in os.listdir("/proc/self/task")} - {self._exclude}
+        except (OSError, ValueError):
+            return
+        for tid in set(self._fds) - tids:
+            self._forget(tid)
+        for tid in tids - set(self._fds):
+            try:
+                self._fds[tid] = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
+            except OSError:
+                continue
+
+    def _forget(self, tid: int) -> None:
+        fd = self._fds.pop(tid, None)
+        self._last.pop(tid, None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            for tid in list(self._fds):
+                self._forget(tid)

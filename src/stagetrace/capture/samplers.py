@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from stagetrace._safety import report_internal_error
-from stagetrace.capture.cpu import CpuSignals
+from stagetrace.capture.cpu import CpuSignals, ProcessRunQueue
 from stagetrace.exporter.signals import loop_held_ms
 
 _perf_ns = time.perf_counter_ns
@@ -57,7 +57,9 @@ class SampleBuffer(DrainQueue[tuple[int, float]]):
 class GilPressureSampler:
     """One thread: about ``1/period`` wake-ups per second while a trace is in flight, each a few
     microseconds. Beside the GIL wait, each wake-up's run-queue wait is kept (``run_queue``): how long a
-    thread made runnable waited for a CPU, the host's oversubscription as any thread of the process meets it.
+    thread made runnable waited for a CPU, the host's oversubscription as any thread of the process meets it;
+    and the run-queue wait of all the process's other threads so far (``process_run_queue``, cumulative ms),
+    which bounds how much of a stage's blocked time preempted GIL holders can explain.
 
     Samples only count inside a trace's window, so with none in flight (``in_flight() == 0``) the thread
     sleeps on ``wake`` until the registry opens a trace (``TraceRegistry.idle_wake``): an idle server pays
@@ -69,12 +71,15 @@ class GilPressureSampler:
         self.period_s = period_s
         self.series = SampleBuffer(max_samples)
         self.run_queue = SampleBuffer(max_samples)
+        self.process_run_queue = SampleBuffer(max_samples)
+        self._process: ProcessRunQueue | None = None  # made on the sampler's thread, which it leaves out
         self.wake = threading.Event()
         self._in_flight = in_flight
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = 0
         self.idle_waits = 0  # times the thread went to sleep with nothing in flight
+        self.last_wake_ns = 0  # epoch ns of the last wake-up, or of going idle (every trace ended by then)
 
     def ensure_running(self) -> None:
         if self._thread is not None and self._pid == os.getpid():
@@ -88,25 +93,61 @@ class GilPressureSampler:
         period = self.period_s
         cpu = CpuSignals()
         run_queue = cpu.run_queue_ns if cpu.schedstat and cpu._pread is not None else None
+        process = ProcessRunQueue(threading.get_native_id()) if run_queue else None
+        process_total = process.total_ms if process is not None and process.available else None
+        self._process = process if process_total is not None else None
         in_flight, wake = self._in_flight, self.wake
+        # Each wake-up's lag runs from the end of the previous one, so that it also counts the GIL waits of
+        # the loop's own few lines: under heavy contention each of them can wait a switch interval, and a
+        # lag timed from just before the sleep would leave those stretches (tens of ms) in no sample.
+        rq0, t0 = 0, 0
         while not self._stop.is_set():
             if in_flight is not None and not in_flight():
                 wake.clear()  # before the check: a trace opened from here on sets it again
                 if not in_flight():
                     self.idle_waits += 1
+                    self.last_wake_ns = time.time_ns()
                     wake.wait(IDLE_CHECK_S)
+                t0 = 0
                 continue
-            rq0 = run_queue() if run_queue else 0
-            t0 = _perf_ns()
+            if not t0:
+                rq0 = run_queue() if run_queue else 0
+                t0 = _perf_ns()
+            if process_total is not None:
+                self.process_run_queue.add(process_total())  # at each wake-up (and the first after idling)
             time.sleep(period)
-            lag_ns = _perf_ns() - t0 - period * 1e9
+            t1 = _perf_ns()
+            lag_ns = t1 - t0 - period * 1e9
             if run_queue:
                 # The OS's part of the delay (waiting for a CPU after the timer fired) is this thread's
                 # run-queue time; what remains is the wait for the GIL.
-                rq_ns = run_queue() - rq0
+                rq1 = run_queue()
+                rq_ns = rq1 - rq0
                 lag_ns -= rq_ns
                 self.run_queue.add(max(0.0, rq_ns / 1e6))
+                rq0 = rq1
+            t0 = t1
             self.series.add(max(0.0, lag_ns / 1e6))
+            self.last_wake_ns = time.time_ns()
+        self._process = None
+        if process is not None:
+            process.close()
+
+    def covers(self, epoch_ns: int) -> bool:
+        """Whether the readings so far reach ``epoch_ns`` (always, with the thread not running): a trace that
+        ended then can be judged on them. A sampler held back by the GIL reports its wait only once through."""
+        thread = self._thread
+        if thread is None or self._pid != os.getpid() or self._stop.is_set() or not thread.is_alive():
+            return True
+        return self.last_wake_ns >= epoch_ns
+
+    def note_run_queues(self) -> None:
+        """One more reading of the process's run-queue total, now (the helper thread's, before it ships
+        traces): the sampler's own next wake-up may come after the traces have gone, and a stage is judged
+        only between a reading before it and one after it."""
+        process = self._process
+        if process is not None:
+            self.process_run_queue.add(process.total_ms())
 
     def stop(self) -> None:
         self._stop.set()

@@ -69,10 +69,7 @@ class ExporterCore:
         self.settings = settings
         self.outputs = outputs
         self.metrics = outputs.metrics
-        self.series = {
-            name: sig.LagSeries()
-            for name in (sig.GIL_SERIES, sig.RUN_QUEUE_SERIES, sig.LOOP_SERIES, sig.LOOP_HELD_SERIES)
-        }
+        self.series = {name: sig.LagSeries() for name in sig.SERIES}
         self.loop_blocks = sig.LoopBlockSeries()
         self._gil_wait_bound_ms = None if settings.gil_wait_bound_s is None else settings.gil_wait_bound_s * 1e3
         self.decisions = RecentDecisions()
@@ -148,8 +145,7 @@ class ExporterCore:
     def _analyse_and_export(self, t: wire.ShippedTrace) -> None:
         trace_id, offset, root = t.trace_id, t.offset, t.root
         stages = t.stages
-        for st in stages:
-            sig.resolve_cpu(st, self._gil_wait_bound_ms)
+        self._resolve_cpu(stages, offset)
         foreign, others = split_foreign_stages(t.others, offset)
         if foreign:
             link_enclosing_stages([*stages, *(st for st, _ in foreign)], [*others, *(span for _, span in foreign)])
@@ -234,8 +230,7 @@ class ExporterCore:
         if not t.flags & 1:
             self.decisions.remember(trace_id, kept=False)
             return
-        for st in t.stages:
-            sig.resolve_cpu(st, self._gil_wait_bound_ms)
+        self._resolve_cpu(t.stages, t.offset)
         out = [sp.stage_span(st, trace_id, t.offset, t.flags, t.state) for st in t.stages]
         out.extend(t.others)
         out.extend(sp.batch_spans(root, self._new_span_id_nonzero))
@@ -328,6 +323,13 @@ class ExporterCore:
         attributes[c.ROOT_FRAMEWORK_START_NS] = root[wire.SPAN_START]
         return wire.replace_span(root, start_ns=arrival.start_ns + offset, attributes=attributes), before
 
+    def _resolve_cpu(self, stages: Sequence[wire.ShippedStage], offset: int) -> None:
+        """The stages' CPU figures from their raw readings, and the other threads' run-queue wait beside each."""
+        others = self.series[sig.PROCESS_RUN_QUEUE_SERIES]
+        for st in stages:
+            sig.resolve_cpu(st, self._gil_wait_bound_ms)
+            sig.resolve_others_runqueue(st, others, offset)
+
     def _signals(
         self, start_ns: int, end_ns: int, gpu_utilization: float | None, blocked_by: tuple[str, ...] = ()
     ) -> TraceSignals:
@@ -337,7 +339,11 @@ class ExporterCore:
         period_s = s.gil_sampler_period_s or 0.01
         return TraceSignals(
             gpu_utilization=gpu_utilization if isinstance(gpu_utilization, (int, float)) else None,
-            gil_pressure_ms=sig.sampler_mean_ms(gil, start_ns, end_ns, period_s) if len(gil) else None,
+            gil_pressure_ms=(
+                sig.sampler_mean_ms(gil, start_ns, end_ns, period_s, proof_ms=self._gil_wait_bound_ms)
+                if len(gil)
+                else None
+            ),
             cpu_pressure_ms=sig.sampler_mean_ms(run_queue, start_ns, end_ns, period_s) if len(run_queue) else None,
             loop_lag_ms=sig.max_loop_lag_ms(loop, start_ns, end_ns) if len(loop) else None,
             loop_held_ms=sig.max_loop_lag_ms(held, start_ns, end_ns) if len(held) else None,
@@ -353,7 +359,7 @@ class ExporterCore:
         if not isinstance(trace_id, int) or not isinstance(offset, int) or not isinstance(flags, int):
             raise MalformedRecord("malformed stage header")
         self.handled += 1
-        sig.resolve_cpu(st, self._gil_wait_bound_ms)
+        self._resolve_cpu([st], offset)
         # Started after its trace's root ended here (the trace was decided): work after the response.
         late = late or self.decisions.known(trace_id) is not None
         ms = st.gpu_ms if st.kind in c.GPU_KINDS and st.gpu_ms is not None else st.wall_ms

@@ -18,6 +18,8 @@ GIL_SERIES = "gil"
 RUN_QUEUE_SERIES = "runqueue"  # the GIL sampler's run-queue wait per wake-up
 LOOP_SERIES = "loop"
 LOOP_HELD_SERIES = "loopheld"  # per loop-lag wake-up: the part of the stall work on the loop's thread explains
+PROCESS_RUN_QUEUE_SERIES = "procrq"  # at each GIL-sampler wake-up: the other threads' run-queue wait so far, ms
+SERIES = (GIL_SERIES, RUN_QUEUE_SERIES, LOOP_SERIES, LOOP_HELD_SERIES, PROCESS_RUN_QUEUE_SERIES)
 
 
 # A woken thread is off-CPU a little past its timer (timer slack, the wake-up path): the margin added to the
@@ -51,6 +53,28 @@ def resolve_cpu(stage: Any, gil_wait_bound_ms: float | None = None) -> None:
     stage.blocked_ms = round(max(0.0, wall_ms - cpu_ms - rq_ms), 3)
     if slices is not None and gil_wait_bound_ms is not None:
         stage.not_gil_ms = round(not_gil_ms(stage.blocked_ms, slices, gil_wait_bound_ms), 3)
+
+
+def resolve_others_runqueue(stage: Any, series: LagSeries, offset_ns: int) -> None:
+    """Set a blocked stage's ``others_runqueue_ms``: the process's other threads' run-queue wait from the
+    GIL sampler's last wake-up before the stage to its first one after (so never less than over the stage
+    itself), less the stage's own. Left None when no wake-up brackets the stage."""
+    if stage.blocked_ms is None or not len(series):
+        return
+    total = cumulative_change(series, stage.start_ns + offset_ns, stage.end_ns + offset_ns)
+    if total is not None:
+        stage.others_runqueue_ms = round(max(0.0, total - (stage.runqueue_ms or 0.0)), 3)
+
+
+def cumulative_change(series: LagSeries, start_ns: int, end_ns: int) -> float | None:
+    """How much a cumulative series grew from its last sample at or before ``start_ns`` to its first at or
+    after ``end_ns``; None without both."""
+    times, values = series.times, series.values
+    before = bisect.bisect_right(times, start_ns) - 1
+    after = bisect.bisect_left(times, end_ns)
+    if before < 0 or after >= len(times):
+        return None
+    return max(0.0, values[after] - values[before])
 
 
 def schedstat_delta(start: bytes, end: bytes) -> tuple[float, float, int | None]:
@@ -148,11 +172,17 @@ class LagSeries:
 
 
 def sampler_mean_ms(
-    series: LagSeries, start_ns: int, end_ns: int, period_s: float, min_samples: int = GIL_MIN_SAMPLES
+    series: LagSeries,
+    start_ns: int,
+    end_ns: int,
+    period_s: float,
+    min_samples: int = GIL_MIN_SAMPLES,
+    proof_ms: float | None = None,
 ) -> float | None:
     """Mean of the GIL sampler's wake-ups (their GIL wait, or their run-queue wait) within the trace's own
     window, or None (not measured) with fewer than ``min_samples`` wake-ups in it, unless those few waited
-    ``min_samples`` periods or more between them.
+    ``min_samples`` periods or more between them, or one of them waited ``proof_ms`` (for the GIL: a whole
+    switch interval, which only a holder running Python through its interval makes a waiter wait).
 
     A woken sampler either gets the GIL at once (~0.1 ms) or waits out a holder's switch interval (5 ms), so
     a few wake-ups already tell contention from a free GIL; one or two do not, and then the verdict does not
@@ -168,7 +198,11 @@ def sampler_mean_ms(
         hi += 1
     lags = values[lo:hi]
     # Few wake-ups that waited long are a measurement too: a free GIL cannot hold a sampler back for periods.
-    measured = len(lags) >= min_samples or (lags and sum(lags) >= min_samples * period_s * 1e3)
+    measured = (
+        len(lags) >= min_samples
+        or (lags and sum(lags) >= min_samples * period_s * 1e3)
+        or (proof_ms is not None and lags and max(lags) >= proof_ms)
+    )
     return round(statistics.fmean(lags), 3) if measured else None
 
 

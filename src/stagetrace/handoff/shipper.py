@@ -25,7 +25,7 @@ from stagetrace.capture.records import StageRecord, TraceRecord
 from stagetrace.exporter.metrics import MetricsRecorder
 from stagetrace.exporter.signals import flatten
 from stagetrace.handoff import fanout, wire
-from stagetrace.settings import FLUSH_POLL_S, Settings
+from stagetrace.settings import FLUSH_POLL_S, SIGNALS_WAIT_S, Settings
 
 DATA_KINDS = frozenset({wire.TRACE, wire.LONE_STAGE, wire.LONE_SPAN})
 
@@ -102,8 +102,16 @@ class Shipper:
         registry: Any,
         signal_sources: Mapping[str, SampleSource] = {},
         loop_blocks: BlockSource | None = None,
+        before_signals: Callable[[], None] | None = None,
+        signals_cover: Callable[[int], bool] | None = None,
     ) -> None:
         self.settings = settings
+        # Called before the signals are drained in a cycle that ships traces: a sampler's reading taken then
+        # is later than every one of their stages (``GilPressureSampler.note_run_queues``).
+        self.before_signals = before_signals
+        # Whether the samplers' readings reach an epoch time (``GilPressureSampler.covers``): a trace whose end
+        # they do not reach yet waits for them, up to SIGNALS_WAIT_S, with everything submitted after it.
+        self.signals_cover = signals_cover
         self._transport_factory = transport_factory
         self.app_metrics = app_metrics
         self.registry = registry
@@ -118,6 +126,7 @@ class Shipper:
     def _init_state(self) -> None:
         self._items: deque[Any] = deque()
         self._parked: list[tuple[float, Any]] = []  # traces waiting for their CUDA events
+        self._gate: deque[tuple[float, Any]] = deque()  # items behind a trace waiting for the samplers' readings
         self._flushes: list[_FlushMarker] = []  # flush requests waiting for the parked traces before them
         self._sent_flushes: dict[int, _FlushMarker] = {}
         self._wake = threading.Event()
@@ -215,7 +224,7 @@ class Shipper:
         while True:
             if self._sent_flushes:
                 self._wake.wait(FLUSH_POLL_S)  # someone waits for the answer: look for it often
-            elif self._items or self._parked:
+            elif self._items or self._parked or self._gate:
                 self._wake.wait(poll)
             else:
                 self._sleeping = True
@@ -238,7 +247,14 @@ class Shipper:
         taken = []
         while items:
             taken.append(items.popleft())
+        if self.signals_cover is not None:
+            taken = self._through_gate(taken, final)
         messages: list[tuple[Any, ...]] = []
+        if taken and self.before_signals is not None:
+            try:
+                self.before_signals()
+            except Exception:
+                report_internal_error("a sampler's reading before shipping")
         for name, source in self.signal_sources.items():
             samples = source.drain()
             if samples:
@@ -259,7 +275,7 @@ class Shipper:
         calls = self.app_metrics.take()
         if calls:
             messages.append((wire.METRIC, tuple(calls)))
-        if self._flushes and not self._parked:
+        if self._flushes and not self._parked and not self._gate:
             for marker in self._flushes:
                 self._sent_flushes[marker.seq] = marker
                 messages.append((wire.FLUSH, marker.seq, marker.timeout_s))
@@ -285,6 +301,28 @@ class Shipper:
                     self.forget_gpu((trace, None))
             except Exception:
                 report_internal_error("registry sweep")
+
+    # --- waiting for the samplers ------------------------------------------------------------------------
+    def _through_gate(self, taken: list[Any], final: bool) -> list[Any]:
+        """The items that may go now, in the order they came: all of them, up to the first trace whose end the
+        samplers' readings do not reach yet (it and what follows wait, each at most SIGNALS_WAIT_S, and no more
+        of them than the hand-off queue holds)."""
+        gate = self._gate
+        if not gate and not taken:
+            return taken
+        now = time.monotonic()
+        gate.extend((now, item) for item in taken)
+        out = []
+        cover: Any = self.signals_cover
+        full = self.settings.queue_size
+        while gate:
+            since, item = gate[0]
+            waits = not final and len(gate) <= full and now - since < SIGNALS_WAIT_S
+            if waits and type(item) is tuple and not cover(item[1].end_time):
+                break
+            gate.popleft()
+            out.append(item)
+        return out
 
     # --- GPU readiness ---------------------------------------------------------------------------------
     def _gpu_ready(self, item: Any) -> bool:

@@ -63,7 +63,7 @@ pack_stage = attrgetter(*STAGE_FIELDS)
 
 
 # What the exporter derives from a stage's raw CPU readings (``exporter.signals.resolve_cpu``).
-DERIVED_STAGE_FIELDS = ("cpu_ms", "runqueue_ms", "blocked_ms", "not_gil_ms")
+DERIVED_STAGE_FIELDS = ("cpu_ms", "runqueue_ms", "blocked_ms", "not_gil_ms", "others_runqueue_ms")
 
 
 class ShippedStage:
@@ -103,6 +103,7 @@ class ShippedStage:
         self.runqueue_ms: float | None = None
         self.blocked_ms: float | None = None
         self.not_gil_ms: float | None = None
+        self.others_runqueue_ms: float | None = None
 
     @property
     def wall_ms(self) -> float:
