@@ -55,9 +55,11 @@ class SampleBuffer(DrainQueue[tuple[int, float]]):
 
 
 class GilPressureSampler:
-    """One thread: about ``1/period`` wake-ups per second while a trace is in flight, each a few
-    microseconds. Beside the GIL wait, each wake-up's run-queue wait is kept (``run_queue``): how long a
-    thread made runnable waited for a CPU, the host's oversubscription as any thread of the process meets it;
+    """One thread: about ``1/period`` wake-ups per second while a trace is in flight, each some tens of
+    microseconds (most of it one read per thread of the process for ``process_run_queue``; the lag it
+    reports includes that own work, ~0.05 ms). Beside the GIL wait, each wake-up's run-queue wait is kept
+    (``run_queue``): how long a thread made runnable waited for a CPU, the host's oversubscription as any
+    thread of the process meets it;
     and the run-queue wait of all the process's other threads so far (``process_run_queue``, cumulative ms),
     which bounds how much of a stage's blocked time preempted GIL holders can explain.
 
