@@ -104,6 +104,14 @@ def others_cpu_share(window_s: float = 0.25) -> float | None:
 
 
 @pytest.fixture
+def host_has_spare_cpus() -> bool:
+    """Whether other processes leave this host's CPUs to the test (``spare_cpus`` without the skip), for a
+    test whose other checks still hold on a busy host."""
+    share = others_cpu_share()
+    return share is None or share <= HOST_BUSY_SHARE
+
+
+@pytest.fixture
 def spare_cpus() -> None:
     """For scenarios whose requests must live one cause and whose healthy twins none: on a host that other
     processes keep short of CPUs, every request really lives CPU oversubscription too, and stagetrace

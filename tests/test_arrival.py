@@ -216,44 +216,19 @@ def test_a_wait_no_stage_explains_counts_only_when_it_is_long(harness, held_ms, 
 # --- a real server, real clients ----------------------------------------------------------------------------
 
 _TIMED_CLIENT = """
-import json, os, socket, struct, sys, threading, time
-
-SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux: the kernel's receive time of each segment
-
-def exchange(sock, path, headers=""):
-    # send one request; the ms from just before the send to the kernel's receive time of the response's last
-    # segment: what the client lived, whenever its own thread gets the CPU to read it
-    t0 = time.time_ns()
-    sock.sendall(f"GET {path} HTTP/1.1\\r\\nHost: t\\r\\n{headers}\\r\\n".encode())
-    data, last = b"", t0
-    while True:
-        chunk, ancillary, _, _ = sock.recvmsg(65536, socket.CMSG_SPACE(16))
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-        for level, kind, raw in ancillary:
-            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
-                sec, nsec = struct.unpack("qq", raw[:16])
-                last = sec * 10**9 + nsec
-        head, sep, body = data.partition(b"\\r\\n\\r\\n")
-        if sep:
-            fields = [line.split(b":", 1) for line in head.split(b"\\r\\n")[1:]]
-            length = int(next(value for name, value in fields if name.lower() == b"content-length"))
-            if len(body) >= length:
-                assert head.startswith(b"HTTP/1.1 200"), head
-                return (last - t0) / 1e6
+import json, os, sys, threading
+from stagetrace.demo.load import TimedConnection  # timed by the kernel's receive time of the response
 
 def client(port, rounds, lived, start):
-    sock = socket.create_connection(("127.0.0.1", port))
-    sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    exchange(sock, "/work")  # warm: the connection is open and idle when the timed requests go
+    conn = TimedConnection("127.0.0.1", port)
+    conn.exchange("GET", "/work")  # warm: the connection is open and idle when the timed requests go
     start.wait()
     for _ in range(rounds):
         trace_id = os.urandom(16).hex()
-        header = f"traceparent: 00-{trace_id}-{os.urandom(8).hex()}-01\\r\\n"
-        lived[trace_id] = exchange(sock, "/work", header)
-    sock.close()
+        header = ("traceparent", f"00-{trace_id}-{os.urandom(8).hex()}-01")
+        status, lived[trace_id] = conn.exchange("GET", "/work", headers=[header])
+        assert status == 200, status
+    conn.close()
 
 port, clients, rounds = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 lived, start = {}, threading.Barrier(clients)

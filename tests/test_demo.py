@@ -25,7 +25,7 @@ def stagetrace_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-def test_demo_runs_and_report_reads_what_it_wrote(tmp_path):
+def test_demo_runs_and_report_reads_what_it_wrote(tmp_path, host_has_spare_cpus):
     out_dir = tmp_path / "out"
     demo = stagetrace_cli("demo", "--requests", "24", "--concurrency", "4", "--out", str(out_dir), cwd=tmp_path)
     assert demo.returncode == 0, demo.stderr[-3000:]
@@ -38,14 +38,19 @@ def test_demo_runs_and_report_reads_what_it_wrote(tmp_path):
     assert "EVENT_LOOP_BLOCKED" in text  # the naive pipeline decodes on the event loop
     assert "24/24" in demo.stderr  # the progress bar
     # The traces last what their clients lived: each starts when its request reached the server, the wait
-    # for the blocked event loop included (a client of the demo's in another process). The median, since
-    # the p95 of 24 requests is one request (a connection's first can pay the client's own start-up); the
-    # traces never last longer than what their clients lived.
+    # for the blocked event loop included (a client of the demo's in another process, timing each response
+    # by the kernel's receive time). The median, since the p95 of 24 requests is one request (a
+    # connection's first can pay the client's own start-up); the traces never last longer than what their
+    # clients lived. On a host that other processes keep short of CPUs, the server's own wait for a CPU
+    # before its loop sees a request is known only as a bound, never guessed into the trace: there the
+    # traces may be shorter than what the clients lived, not longer.
     traced = re.search(r"request latency: p50 ([\d.]+) ms, p95 ([\d.]+) ms", text)
     lived = re.search(r"as the clients timed them: p50 ([\d.]+) ms, p95 ([\d.]+) ms", text)
     assert traced and lived, text
     (trace_p50, trace_p95), (client_p50, client_p95) = map(float, traced.groups()), map(float, lived.groups())
-    assert abs(trace_p50 - client_p50) <= max(0.1 * client_p50, 5.0), (traced.groups(), lived.groups())
+    if host_has_spare_cpus:
+        assert abs(trace_p50 - client_p50) <= max(0.1 * client_p50, 5.0), (traced.groups(), lived.groups())
+    assert trace_p50 <= client_p50 + max(0.1 * client_p50, 5.0), (traced.groups(), lived.groups())
     assert trace_p95 <= client_p95 + max(0.1 * client_p95, 5.0), (traced.groups(), lived.groups())
     page = (out_dir / "report.html").read_text()
     assert page.count('<svg class="waterfall"') >= 5  # the slowest traces, each with its waterfall
