@@ -50,7 +50,12 @@ def test_stage_spans_and_verdict_arrive_on_the_wire(protocol, otlp_receiver, mon
         spans = {s.name: s for s in sink.spans}
         root = spans["predict"]
         assert root.resource["service.name"] == "wire-test"
-        assert root.attributes[c.BOTTLENECK_STAGE] == "decode"
+        # what the spans on the wire show (sleeps a loaded host stretches: 1 ms can outlast 3, and the root's
+        # own time in no stage can outlast both)
+        ms = {name: (spans[name].end_ns - spans[name].start_ns) / 1e6 for name in ("decode", "infer")}
+        longest = max(ms, key=ms.__getitem__)
+        expected = c.UNTRACKED if root.attributes[c.UNTRACKED_MS] > ms[longest] else longest
+        assert root.attributes[c.BOTTLENECK_STAGE] == expected, (ms, root.attributes)
         assert 0 < root.attributes[c.BOTTLENECK_RATIO] <= 1
         assert root.attributes[c.SLOW] is False
         assert root.attributes[c.STAGES] == ("decode", "infer")
