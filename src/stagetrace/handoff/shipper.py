@@ -263,13 +263,8 @@ class Shipper:
             blocks = self.loop_blocks.drain()
             if blocks:
                 messages.append((wire.LOOP_BLOCKS, tuple(blocks)))
-        for item in taken:
-            if isinstance(item, _FlushMarker):
-                self._flushes.append(item)
-            elif not self._gpu_ready(item):
-                self._parked.append((time.monotonic(), item))
-            else:
-                self._pack_into(messages, item)
+        self._pack_taken(taken, messages)
+        del taken  # nothing of a record outlives its packing here: a flush answered below ends with them gone
         if self._parked:
             self._drain_parked(messages, force=final)
         calls = self.app_metrics.take()
@@ -286,6 +281,15 @@ class Shipper:
                 transport.send(messages)
             transport.poll()
         self._periodic()
+
+    def _pack_taken(self, taken: list[Any], messages: list[tuple[Any, ...]]) -> None:
+        for item in taken:
+            if isinstance(item, _FlushMarker):
+                self._flushes.append(item)
+            elif not self._gpu_ready(item):
+                self._parked.append((time.monotonic(), item))
+            else:
+                self._pack_into(messages, item)
 
     def _periodic(self) -> None:
         if self.gpu is not None:
