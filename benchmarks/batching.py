@@ -148,11 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
-    from e2e import _free_port  # the same sink as the end-to-end benchmark
 
-    from stagetrace.testing.load import wait_for_port
+    from stagetrace.testing.load import free_port, wait_for_port
 
-    port = _free_port()
+    port = free_port()
     sink_proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "e2e.py"), "sink", str(port)])
     results: dict[str, dict[str, list[float]]] = {v: {"app": [], "tree": []} for v in VARIANTS}
     try:

@@ -226,11 +226,9 @@ def instructions_main(pipelines: int) -> int:
     if shutil.which("valgrind") is None:
         print("--instructions needs valgrind (apt-get install valgrind)", file=sys.stderr)
         return 2
-    from e2e import _free_port
+    from stagetrace.testing.load import free_port, wait_for_port
 
-    from stagetrace.testing.load import wait_for_port
-
-    sink_port = _free_port()
+    sink_port = free_port()
     here = os.path.dirname(os.path.abspath(__file__))
     sink = subprocess.Popen([sys.executable, os.path.join(here, "e2e.py"), "sink", str(sink_port)])
     out_dir = tempfile.mkdtemp(prefix="stagetrace-icount-")
@@ -312,12 +310,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import subprocess
 
-    from e2e import _free_port
     from proctree import process_cpu_s, tree_cpu_s
 
-    from stagetrace.testing.load import wait_for_port
+    from stagetrace.testing.load import free_port, wait_for_port
 
-    sink_port = _free_port()
+    sink_port = free_port()
     here = os.path.dirname(os.path.abspath(__file__))
     sink = subprocess.Popen([sys.executable, os.path.join(here, "e2e.py"), "sink", str(sink_port)])
     wait_for_port(sink_port, sink, timeout_s=30)

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import subprocess
 import tempfile
@@ -123,23 +122,10 @@ def spare_cpus() -> None:
 
 
 def rules_that_cannot_fire() -> DiagnosisThresholds:
-    """Thresholds no trace can reach: every rule's minimum duration at infinity. For tests that need a
-    healthy trace to stay undiagnosed on a loaded host (where any request can lose time to the scheduler
-    and be rightly diagnosed); ``tests/test_diagnosis.py`` checks that no rule fires with them."""
-    return DiagnosisThresholds(
-        min_stage_ms=math.inf,
-        gpu_starved_utilization=-1.0,
-        pageable_min_bytes=1 << 62,
-        blocked_min_ms=math.inf,
-        runqueue_min_ms=math.inf,
-        event_loop_stage_ms=math.inf,
-        event_loop_lag_ms=math.inf,
-        event_loop_wait_ms=math.inf,
-        queueing_ms=math.inf,
-        untracked_min_ms=math.inf,
-        batch_wait_min_ms=math.inf,
-        batch_underfilled_fill=-1.0,
-    )
+    """Thresholds no trace can reach. For tests that need a healthy trace to stay undiagnosed on a loaded
+    host (where any request can lose time to the scheduler and be rightly diagnosed);
+    ``tests/test_diagnosis.py`` checks that no rule fires with them."""
+    return DiagnosisThresholds.silent()
 
 
 class Harness:

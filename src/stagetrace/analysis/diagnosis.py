@@ -3,6 +3,8 @@ and advice out. Each rule is a small pure function so that it can be tested, tun
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -61,6 +63,26 @@ class DiagnosisThresholds:
     batch_wait_min_ms: float = 10.0
     batch_underfilled_fill: float = 0.50  # batches below this share of their max size ...
     batch_underfilled_gpu_share: float = 0.50  # ... while GPU stages hold less than this of the batch's run
+
+    @classmethod
+    def silent(cls) -> DiagnosisThresholds:
+        """Thresholds no trace reaches: every rule is evaluated and none fires. For measuring what the
+        analysis costs a healthy service on a host that would rightly diagnose it (a benchmark under
+        valgrind, a test beside a CPU hog)."""
+        return cls(
+            min_stage_ms=math.inf,
+            gpu_starved_utilization=-1.0,
+            pageable_min_bytes=1 << 62,
+            blocked_min_ms=math.inf,
+            runqueue_min_ms=math.inf,
+            event_loop_stage_ms=math.inf,
+            event_loop_lag_ms=math.inf,
+            event_loop_wait_ms=math.inf,
+            queueing_ms=math.inf,
+            untracked_min_ms=math.inf,
+            batch_wait_min_ms=math.inf,
+            batch_underfilled_fill=-1.0,
+        )
 
 
 @dataclass(frozen=True, slots=True)
