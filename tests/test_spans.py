@@ -246,15 +246,9 @@ def test_stages_inside_a_span_read_as_a_stage_are_linked_to_it_through_other_spa
     from stagetrace.exporter.foreign import link_enclosing_stages
 
     def stage(name, span_id, parent, parent_stage=0):
-        return wire.stage_from_fields(
-            name=name,
-            kind="cpu",
-            span_id=span_id,
-            parent_span_id=parent,
-            parent_stage_id=parent_stage,
-            start_ns=0,
-            end_ns=1,
-        )
+        added = wire.ShippedStage.added(name, "cpu", span_id, parent, 0, 1)
+        added.parent_stage_id = parent_stage
+        return added
 
     deps = stage("fastapi.dependencies", 0xD, 0x1)
     auth = stage("auth", 0xA, 0xC)  # under a client span, under the dependencies

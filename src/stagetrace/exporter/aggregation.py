@@ -40,7 +40,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from stagetrace._compat import reader_prefers_delta, set_reader_collect
 from stagetrace._version import __version__
 from stagetrace.conventions import INSTRUMENTATION_NAME
-from stagetrace.exporter.metrics import INSTRUMENTS, ContractMetrics, Exemplar, Instrument, Key
+from stagetrace.exporter.metrics import INSTRUMENTS, Addition, ContractMetrics, Exemplar, Instrument, Key, Observation
 
 _SCOPE = InstrumentationScope(INSTRUMENTATION_NAME, __version__)
 _INF = float("inf")
@@ -242,3 +242,11 @@ class AggregatedMetrics(ContractMetrics):
         with self._lock:
             for store in self._stores:
                 store.set(instrument, key, value)
+
+    def _record_all(self, observations: list[Observation], additions: list[Addition]) -> None:
+        with self._lock:
+            for store in self._stores:
+                for instrument, key, value, exemplar in observations:
+                    store.observe(instrument, key, value, exemplar)
+                for instrument, key, amount in additions:
+                    store.add(instrument, key, amount)

@@ -266,17 +266,11 @@ class ExporterCore:
                 key = blocker_entry(name, format_trace_id(blocker))
                 held[key] = held.get(key, 0) + ns
                 names.append(key)
-            out.append(
-                wire.stage_from_fields(
-                    name=c.EVENT_LOOP_WAIT,
-                    kind="wait",
-                    span_id=self._new_span_id_nonzero(),
-                    parent_span_id=root[wire.SPAN_ID],
-                    start_ns=w.start_ns,
-                    end_ns=w.end_ns,
-                    attributes={c.BLOCKED_BY: tuple(names[:MAX_BLOCKED_BY])},
-                )
+            wait = wire.ShippedStage.added(
+                c.EVENT_LOOP_WAIT, "wait", self._new_span_id_nonzero(), root[wire.SPAN_ID], w.start_ns, w.end_ns
             )
+            wait.attributes = {c.BLOCKED_BY: tuple(names[:MAX_BLOCKED_BY])}
+            out.append(wait)
         ranked = sorted(held, key=lambda k: -held[k])
         return out, tuple(ranked[:MAX_BLOCKED_BY])
 
@@ -310,15 +304,15 @@ class ExporterCore:
         names = tuple(sorted(held, key=lambda k: -held[k])[:MAX_BLOCKED_BY])
         if not names and framework_start - arrival.start_ns < ARRIVAL_UNEXPLAINED_MIN_NS:
             return unchanged, None
-        before = wire.stage_from_fields(
-            name=c.EVENT_LOOP_WAIT,
-            kind="wait",
-            span_id=self._new_span_id_nonzero(),
-            parent_span_id=root[wire.SPAN_ID],
-            start_ns=arrival.start_ns,
-            end_ns=framework_start,
-            attributes={c.BLOCKED_BY: names} if names else None,
+        before = wire.ShippedStage.added(
+            c.EVENT_LOOP_WAIT,
+            "wait",
+            self._new_span_id_nonzero(),
+            root[wire.SPAN_ID],
+            arrival.start_ns,
+            framework_start,
         )
+        before.attributes = {c.BLOCKED_BY: names} if names else None
         attributes[c.ROOT_SHIFTED_MS] = round((framework_start - arrival.start_ns) / 1e6, 3)
         attributes[c.ROOT_FRAMEWORK_START_NS] = root[wire.SPAN_START]
         return wire.replace_span(root, start_ns=arrival.start_ns + offset, attributes=attributes), before

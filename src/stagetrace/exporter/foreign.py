@@ -33,16 +33,16 @@ def split_foreign_stages(
         if kind is None:
             others.append(span)
             continue
-        failed = span[wire.SPAN_STATUS] == _ERROR
-        stage = wire.stage_from_fields(
-            name=span[wire.SPAN_NAME],
-            kind=kind,
-            span_id=span[wire.SPAN_ID],
-            parent_span_id=span[_PARENT],
-            start_ns=span[wire.SPAN_START] - offset,  # onto the stages' perf-counter clock
-            end_ns=span[wire.SPAN_END] - offset,
-            error=_FAILED if failed else None,
+        stage = wire.ShippedStage.added(
+            span[wire.SPAN_NAME],
+            kind,
+            span[wire.SPAN_ID],
+            span[_PARENT],
+            span[wire.SPAN_START] - offset,  # onto the stages' perf-counter clock
+            span[wire.SPAN_END] - offset,
         )
+        if span[wire.SPAN_STATUS] == _ERROR:
+            stage.error = _FAILED
         stages.append((stage, span))
     return stages, others
 

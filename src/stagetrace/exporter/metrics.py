@@ -46,6 +46,10 @@ class Instrument:
     buckets: tuple[float, ...] = ()
 
 
+Observation = tuple[Instrument, Key, float, "Exemplar | None"]  # a histogram's value, with its exemplar
+Addition = tuple[Instrument, Key, int]  # a counter's increment
+
+
 STAGE_DURATION = Instrument(
     c.METRIC_STAGE_DURATION,
     "histogram",
@@ -111,6 +115,14 @@ class ContractMetrics:
     def _set(self, instrument: Instrument, key: Key, value: float) -> None:
         raise NotImplementedError
 
+    def _record_all(self, observations: list[Observation], additions: list[Addition]) -> None:
+        """A trace's observations and counts together: a subclass that can take them in one go (one lock,
+        one pass per store) overrides this."""
+        for instrument, key, value, exemplar in observations:
+            self._observe(instrument, key, value, exemplar)
+        for instrument, key, amount in additions:
+            self._add(instrument, key, amount)
+
     # --- attributes --------------------------------------------------------------------------------------
     def _stage_label(self, name: str) -> str:
         if name in self._stage_names:
@@ -146,17 +158,23 @@ class ContractMetrics:
         route = verdict.route
         kinds = verdict.stage_kinds
         bottleneck = verdict.bottleneck
-        observe = self._observe
-        for name, ms in verdict.breakdown.items():
-            key = self._stage_key(name, kinds.get(name, "cpu"), route)
-            observe(STAGE_DURATION, key, ms, exemplar if name == bottleneck else None)
+        stage_key = self._stage_key
+        observations: list[Observation] = [
+            (
+                STAGE_DURATION,
+                stage_key(name, kinds.get(name, "cpu"), route),
+                ms,
+                exemplar if name == bottleneck else None,
+            )
+            for name, ms in verdict.breakdown.items()
+        ]
         trace_key: Key = ((c.SLOW, verdict.slow), (c.HTTP_ROUTE, route)) if route else ((c.SLOW, verdict.slow),)
-        observe(TRACE_DURATION, trace_key, verdict.total_ms, exemplar)
+        observations.append((TRACE_DURATION, trace_key, verdict.total_ms, exemplar))
+        additions: list[Addition] = [(DIAGNOSIS, ((c.DIAGNOSIS_CODE, d.code),), 1) for d in verdict.diagnoses]
         if bottleneck is not None:
             label = bottleneck if bottleneck == c.UNTRACKED else self._stage_label(bottleneck)
-            self._add(BOTTLENECK, ((c.STAGE, label),), 1)
-        for code in verdict.diagnosis_codes:
-            self._add(DIAGNOSIS, ((c.DIAGNOSIS_CODE, code),), 1)
+            additions.append((BOTTLENECK, ((c.STAGE, label),), 1))
+        self._record_all(observations, additions)
 
     def record_batch(self, name: str, size: int, fill: float | None) -> None:
         key = ((c.STAGE, self._stage_label(name)),)

@@ -7,7 +7,6 @@ Pure bookkeeping: no threads, no clocks of its own; the exporter feeds it and as
 from __future__ import annotations
 
 import bisect
-import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -203,7 +202,7 @@ def sampler_mean_ms(
         or (lags and sum(lags) >= min_samples * period_s * 1e3)
         or (proof_ms is not None and lags and max(lags) >= proof_ms)
     )
-    return round(statistics.fmean(lags), 3) if measured else None
+    return round(sum(lags) / len(lags), 3) if measured else None
 
 
 def max_loop_lag_ms(series: LagSeries, start_ns: int, end_ns: int) -> float | None:
@@ -222,8 +221,9 @@ def max_loop_lag_ms(series: LagSeries, start_ns: int, end_ns: int) -> float | No
         return None
     worst = 0
     for t, lag_ms in zip(times[lo:hi], values[lo:hi]):
-        overlap = min(t, end_ns) - max(t - int(lag_ms * 1e6), start_ns)
-        worst = max(worst, overlap)
+        overlap = (t if t < end_ns else end_ns) - max(t - int(lag_ms * 1e6), start_ns)
+        if overlap > worst:
+            worst = overlap
     return round(worst / 1e6, 3)
 
 
