@@ -322,3 +322,38 @@ def test_what_the_arrival_reads_of_asgi_servers_and_sockets():
     finally:
         for s in (client, conn, server):
             s.close()
+
+
+def test_what_the_otlp_bytes_path_reads_of_the_sdks_http_exporter(otlp_receiver, caplog):
+    """``otlp_http_sender`` sends encoded bytes through the SDK's own HTTP client, after its size limit; it
+    declines every other exporter, so those get SDK spans as before."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpans
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpans
+
+    from stagetrace._compat import otlp_http_sender
+    from stagetrace.exporter.otlp_encoding import TraceRequestEncoder
+
+    endpoint = f"{otlp_receiver.http_endpoint}/v1/traces"
+    exporter = HttpSpans(endpoint=endpoint)
+    send = otlp_http_sender(exporter)
+    assert send is not None, "the SDK's OTLP/HTTP exporter no longer has _client.export / _max_request_size"
+    span = (
+        "sent", 0xA1, 0xB2, 0, False, 0, 1_000, 2_000, {"k": "v"}, (), (), 0, "", "test", "", 1, "", 0, 0, 0,
+    )  # fmt: skip
+    assert send(TraceRequestEncoder({"service.name": "compat"}).encode([span])) is True
+    assert otlp_receiver.sink.wait_for(lambda s: [x.name for x in s.spans] == ["sent"])
+    (received,) = otlp_receiver.sink.spans
+    assert received.attributes == {"k": "v"} and received.resource == {"service.name": "compat"}
+
+    small = HttpSpans(endpoint=endpoint, max_request_size=10)
+    assert otlp_http_sender(small)(b"x" * 11) is False  # type: ignore[misc]
+    assert "exceeds max_request_size" in caplog.text
+    exporter.shutdown()
+    assert send(b"") is False  # a shut-down exporter sends nothing
+
+    class OwnEncoding(HttpSpans):
+        pass
+
+    assert otlp_http_sender(OwnEncoding(endpoint=endpoint)) is None
+    assert otlp_http_sender(GrpcSpans(endpoint="http://127.0.0.1:1", insecure=True)) is None
+    assert otlp_http_sender(InMemorySpanExporter()) is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -23,6 +24,8 @@ from opentelemetry.sdk.trace import Tracer as SdkTracer
 from opentelemetry.sdk.trace.sampling import Sampler
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, TraceFlags, propagation
+
+_logger = logging.getLogger("opentelemetry.exporter.otlp.proto.http.trace_exporter")  # the exporter's own logger
 
 # --- the API's context: read and set on every stage entry and exit ---------------------------------------
 
@@ -109,6 +112,38 @@ class ProcessorChain:
     @processors.setter
     def processors(self, value: tuple[SpanProcessor, ...]) -> None:
         self._multi._span_processors = tuple(value)
+
+
+def otlp_http_sender(exporter: object) -> Callable[[bytes], bool] | None:
+    """For the SDK's OTLP/HTTP span exporter: a function that sends an already encoded
+    ``ExportTraceServiceRequest`` through the exporter's own HTTP client (``_client.export``: its endpoint,
+    headers, compression, timeout, retries and TLS), after the exporter's own size limit
+    (``_max_request_size``) and shut-down check (``_shutdown``). None for any other exporter (a subclass
+    included: it may encode differently) or a version whose internals differ; the caller then gives the
+    exporter SDK spans as before."""
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError:
+        return None
+    if type(exporter) is not OTLPSpanExporter:
+        return None
+    client_export = getattr(getattr(exporter, "_client", None), "export", None)
+    max_size = getattr(exporter, "_max_request_size", None)
+    if not callable(client_export) or not isinstance(max_size, int) or not hasattr(exporter, "_shutdown"):
+        return None
+    http_exporter: Any = exporter
+
+    def send(data: bytes) -> bool:
+        if http_exporter._shutdown:
+            return False
+        if 0 < max_size < len(data):
+            _logger.warning(
+                "Dropping span batch: serialized size %d bytes exceeds max_request_size %d bytes.", len(data), max_size
+            )
+            return False
+        return bool(client_export(data).success)
+
+    return send
 
 
 def set_processors(multi: Any, processors: tuple[SpanProcessor, ...]) -> None:

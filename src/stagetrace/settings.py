@@ -119,9 +119,10 @@ class Settings:
     queue_size: int = 10_000
     sweep_interval_s: float = 1.0
     # How often the helper thread ships finished traces while busy: each wake-up costs the application and
-    # the exporter a fixed amount (the exporter's read loop was ~16 % of its CPU at 10 ms, py-spy under the
-    # e2e load), so fewer, larger batches are cheaper; verdicts arrive up to this late.
-    poll_interval_s: float = 0.05
+    # the exporter a fixed amount, and an exporter woken 20 times a second worked with its caches cold
+    # (benchmarks/e2e.py: its CPU a request fell by about a quarter from 0.05 s to 0.25 s), so fewer, larger
+    # batches are cheaper; verdicts arrive up to this late.
+    poll_interval_s: float = 0.2
     gpu_wait_timeout_s: float = 30.0
     max_parked: int = 10_000  # finished traces waiting for their CUDA events; past it the oldest go as they are
     slow_log_per_minute: int = 60

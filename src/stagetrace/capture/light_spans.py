@@ -54,7 +54,17 @@ def cleaned_attributes(
 
 
 def trace_state_header(state: TraceState | None) -> str:
+    """A trace state as it crosses to the exporter: its W3C header (empty for none)."""
     return state.to_header() if state else ""
+
+
+# A link's flags as they cross to the exporter: the linked context's W3C trace flags in the low byte, and
+# whether it is remote in the bit OTLP itself uses for that (``SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK``).
+LINK_REMOTE = 0x200
+
+
+def link_flags(context: SpanContext) -> int:
+    return int(context.trace_flags) | (LINK_REMOTE if context.is_remote else 0)
 
 
 def _valid_link(context: SpanContext | None, attributes: Any) -> bool:
@@ -360,7 +370,7 @@ class LightSpan(SpanContextOnDemand, trace_api.Span):
                 (
                     ctx.trace_id,
                     ctx.span_id,
-                    int(ctx.trace_flags),
+                    link_flags(ctx),
                     trace_state_header(ctx.trace_state),
                     attrs,
                 )

@@ -8,8 +8,9 @@ a test, a Prometheus reader, ``on_verdict``), where returned results are deliver
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor
@@ -38,6 +39,34 @@ class NoMetrics:
 
     def gpu_utilization(self, value: float, hw_id: str) -> None:
         return None
+
+
+class SpanSink(Protocol):
+    """Where kept spans (wire tuples) go in this process: an SDK span processor (``SpanForwarder``) or the
+    OTLP/HTTP bytes path (``otlp_sink.WireBatchSink``)."""
+
+    def export(self, spans: Sequence[tuple[Any, ...]]) -> None: ...
+    def flush(self, timeout_s: float) -> bool: ...
+
+
+class _FanOut:
+    def __init__(self, sinks: Sequence[SpanSink]) -> None:
+        self.sinks = tuple(sinks)
+
+    def export(self, spans: Sequence[tuple[Any, ...]]) -> None:
+        for sink in self.sinks:
+            sink.export(spans)
+
+    def flush(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        return all([sink.flush(max(0.0, deadline - time.monotonic())) for sink in self.sinks])
+
+
+def fan_out(sinks: Sequence[SpanSink]) -> SpanSink | None:
+    """One sink for several (None for none)."""
+    if not sinks:
+        return None
+    return sinks[0] if len(sinks) == 1 else _FanOut(sinks)
 
 
 class SpanForwarder:
@@ -70,7 +99,7 @@ class LocalOutputs:
     def __init__(
         self,
         *,
-        spans: SpanForwarder | None,
+        spans: SpanSink | None,
         metrics: MetricsSink,
         callbacks: Sequence[Callable[[Verdict], Any]] = (),
         flush_metrics: Callable[[float], bool] | None = None,

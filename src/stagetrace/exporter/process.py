@@ -28,6 +28,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.trace import SpanProcessor, SynchronousMultiSpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 
+from stagetrace._compat import otlp_http_sender
 from stagetrace._safety import logger
 from stagetrace.analysis import Verdict
 from stagetrace.export.env import metric_readers_from_env, span_exporters_from_env
@@ -36,7 +37,9 @@ from stagetrace.export.shutdown import shutdown_within
 from stagetrace.exporter.aggregation import AggregatedMetrics
 from stagetrace.exporter.core import ExporterCore
 from stagetrace.exporter.metrics import MetricsRecorder, MetricsSink, TeeMetrics
-from stagetrace.exporter.outputs import LocalOutputs, NoMetrics, SpanForwarder
+from stagetrace.exporter.otlp_encoding import TraceRequestEncoder
+from stagetrace.exporter.otlp_sink import WireBatchSink
+from stagetrace.exporter.outputs import LocalOutputs, NoMetrics, SpanForwarder, SpanSink, fan_out
 from stagetrace.handoff import wire
 from stagetrace.handoff.channel import FrameReader, encode_frame
 from stagetrace.settings import ACK_INTERVAL_S, Settings
@@ -134,7 +137,17 @@ class Exporter:
             self.exporters = span_exporters_from_env() or []
         elif config["spans"] == "file":
             self.exporters = [JsonLinesSpanExporter(config["traces_path"])]
-        processors: list[SpanProcessor] = [BatchSpanProcessor(e) for e in self.exporters]
+        # The SDK's OTLP/HTTP exporter gets bytes encoded from the wire spans (otlp_encoding), through its own
+        # client; any other exporter gets SDK spans through a BatchSpanProcessor.
+        self.wire_sinks: list[WireBatchSink] = []
+        processors: list[SpanProcessor] = []
+        for exporter in self.exporters:
+            send = otlp_http_sender(exporter)
+            if send is None:
+                processors.append(BatchSpanProcessor(exporter))
+                continue
+            encoder = TraceRequestEncoder(self.resource.attributes, self.resource.schema_url)
+            self.wire_sinks.append(WireBatchSink(send, encoder, self._dropped, abandon=exporter.shutdown))
         self.processor: SpanProcessor | None = None
         if len(processors) == 1:
             self.processor = processors[0]
@@ -150,8 +163,10 @@ class Exporter:
             aggregated = AggregatedMetrics(self.resource, self.settings.max_stage_names)
             aggregated.attach_readers(readers)
             own_metrics = aggregated
-        forwarder = SpanForwarder(self.processor, self.resource, self._dropped) if self.processor else None
-        own = LocalOutputs(spans=forwarder, metrics=own_metrics, flush_metrics=self._flush_metrics)
+        sinks: list[SpanSink] = list(self.wire_sinks)
+        if self.processor is not None:
+            sinks.append(SpanForwarder(self.processor, self.resource, self._dropped))
+        own = LocalOutputs(spans=fan_out(sinks), metrics=own_metrics, flush_metrics=self._flush_metrics)
         self.outputs = ReturningOutputs(
             own,
             sender,
@@ -168,11 +183,13 @@ class Exporter:
         return bool(self.meter_provider.force_flush(int(timeout_s * 1000)))
 
     def shutdown(self) -> None:
-        steps: list[Any] = []
+        deadline_s = self.settings.shutdown_timeout_s
+        steps: list[Any] = [lambda sink=sink: sink.shutdown(deadline_s) for sink in self.wire_sinks]
         if self.processor is not None:
             steps.append(self.processor.shutdown)
-        steps.append(lambda: self.meter_provider.shutdown(timeout_millis=int(self.settings.shutdown_timeout_s * 1000)))
-        shutdown_within(self.settings.shutdown_timeout_s, steps, [e.shutdown for e in self.exporters])
+        steps.append(lambda: self.meter_provider.shutdown(timeout_millis=int(deadline_s * 1000)))
+        abandon = [sink.abandon for sink in self.wire_sinks] + [e.shutdown for e in self.exporters]
+        shutdown_within(deadline_s, steps, abandon)
 
 
 def _die_with_parent() -> None:

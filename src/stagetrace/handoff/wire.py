@@ -19,6 +19,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
 from stagetrace.analysis.model import BatchInfo, batch_info
+from stagetrace.capture.light_spans import LINK_REMOTE, link_flags, trace_state_header
 from stagetrace.conventions import BATCH_INDEX, BATCH_ITEMS
 
 # --- message kinds ------------------------------------------------------------------------------------
@@ -193,7 +194,7 @@ SPAN_FIELDS = (
     "end_ns",
     "attributes",
     "events",  # ((name, timestamp_ns, attributes), ...)
-    "links",  # ((trace_id, span_id, flags, trace_state, attributes), ...)
+    "links",  # ((trace_id, span_id, link_flags(context), trace_state, attributes), ...)
     "status_code",  # StatusCode value
     "status_description",
     "scope_name",
@@ -213,8 +214,7 @@ assert SPAN_FIELDS[SPAN_START] == "start_ns" and SPAN_FIELDS[SPAN_ATTRIBUTES] ==
 assert SPAN_FIELDS[SPAN_EVENTS] == "events" and SPAN_FIELDS[SPAN_STATUS] == "status_code"
 
 
-def trace_state_header(state: TraceState | None) -> str:
-    return state.to_header() if state else ""
+_TRACE_FLAGS_MASK = 0xFF  # of a link's wire flags: its W3C trace flags (LINK_REMOTE above them)
 
 
 def parse_trace_state(header: str) -> TraceState | None:
@@ -246,7 +246,7 @@ def pack_span(span: ReadableSpan) -> tuple[Any, ...]:
             (
                 link.context.trace_id,
                 link.context.span_id,
-                int(link.context.trace_flags),
+                link_flags(link.context),
                 trace_state_header(link.context.trace_state),
                 _plain_attributes(link.attributes),
             )
@@ -353,7 +353,10 @@ def to_readable(packed: Sequence[Any], resource: Resource) -> ReadableSpan:
         resource=resource,
         attributes=attributes,
         events=tuple(Event(n, a, timestamp=ts) for n, ts, a in events),
-        links=tuple(Link(SpanContext(t, s, True, TraceFlags(f), parse_trace_state(st)), a) for t, s, f, st, a in links),
+        links=tuple(
+            Link(SpanContext(t, s, bool(f & LINK_REMOTE), TraceFlags(f & _TRACE_FLAGS_MASK), parse_trace_state(st)), a)
+            for t, s, f, st, a in links
+        ),
         kind=_KINDS.get(kind, SpanKind.INTERNAL),
         status=_UNSET if code is StatusCode.UNSET else Status(code, status_description or None),
         start_time=start_ns,
