@@ -124,23 +124,37 @@ def test_cpu_stage_beside_a_busy_python_thread_is_gil_contention(harness):
         t.join()
     # What happened, per request: the stage's own split of its wall time (blocked: waiting for the GIL with
     # the GIL pressure measured high; run queue: waiting for a CPU, which a busy host adds on top) and the
-    # rule that split calls for. On an idle 2-core host most requests show GIL contention; on a loaded one
-    # the wait moves to the run queue, and the verdict must follow what was measured, never guess a lock.
+    # rule that split calls for. With CPUs to spare (the stage barely queued for a CPU, nor did the GIL
+    # sampler's wake-ups) a GIL wait is named GIL_CONTENTION. On a host short of CPUs a wait as short as a GIL
+    # handoff can be for a holder the scheduler preempted: the verdict may then say so (CPU_OVERSUBSCRIBED) or
+    # name no cause (OFF_CPU_WAIT), but it must never guess a lock, nor claim GIL contention it did not see.
     stages = {s.context.trace_id: s.attributes for s in harness.spans() if s.name == "tokenize"}
     th = stagetrace.DiagnosisThresholds()
     contended = 0
     for v in verdicts:
         a = stages[int(v.trace_id, 16)]
+        codes = set(v.diagnosis_codes)
         wall = v.breakdown["tokenize"]
         blocked, runqueue = a.get(c.BLOCKED_MS, 0.0), a.get(c.RUNQUEUE_MS, 0.0)
         gil = v.gil_pressure_ms or 0.0
         gil_wait = blocked >= max(th.blocked_min_ms, th.blocked_share * wall) and gil >= th.gil_pressure_ms
         cpu_wait = runqueue >= max(th.runqueue_min_ms, th.runqueue_share * wall)
+        queued_share = runqueue / (runqueue + blocked) if runqueue + blocked else 0.0
+        cpus_to_spare = queued_share < th.quiet_share and (v.cpu_pressure_ms or 0.0) < th.quiet_cpu_pressure_ms
         contended += gil_wait or cpu_wait
-        assert ("GIL_CONTENTION" in v.diagnosis_codes) == gil_wait, (v.diagnoses, a, gil)
-        assert ("CPU_OVERSUBSCRIBED" in v.diagnosis_codes) == cpu_wait, (v.diagnoses, a)
+        evidence = (v.diagnoses, a, gil, v.cpu_pressure_ms)
+        if "GIL_CONTENTION" in codes:
+            assert gil_wait, evidence
+        if gil_wait and cpus_to_spare:
+            assert "GIL_CONTENTION" in codes, evidence
+        elif gil_wait:
+            assert codes & {"GIL_CONTENTION", "CPU_OVERSUBSCRIBED", "OFF_CPU_WAIT"}, evidence
+        if cpu_wait:
+            assert "CPU_OVERSUBSCRIBED" in codes, evidence
+        elif "CPU_OVERSUBSCRIBED" in codes:
+            assert not cpus_to_spare, evidence  # only for holders the scheduler preempted
         if gil >= th.gil_pressure_ms:
-            assert "LOCK_OR_IO_WAIT" not in v.diagnosis_codes  # the GIL was contended: never blamed on a lock
+            assert "LOCK_OR_IO_WAIT" not in codes  # the GIL was contended: never blamed on a lock
     # the busy thread made at least one request measurably wait (how many depends on the host's load)
     assert contended >= 1, [(v.breakdown, stages[int(v.trace_id, 16)], v.gil_pressure_ms) for v in verdicts]
 
