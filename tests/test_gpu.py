@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import stagetrace
-from fakes import FakeCudaBackend, FakeGpu, FakeNvml, FakeTensor, fake_model
+from fakes import FakeCudaBackend, FakeGpu, FakeNvml, FakeTensor, fake_model, fake_uuid
 from stagetrace import conventions as c
 from stagetrace.gpu import attach_gpu
 
@@ -177,7 +177,7 @@ def test_nvml_utilisation_per_stage_and_per_trace(gpu_world):
     assert infer[c.GPU_MEMORY_USED] == 120 << 30
     assert spans["request"].attributes[c.GPU_UTILIZATION] == pytest.approx(0.1, abs=0.01)
     gauge = h.metric_points(c.METRIC_GPU_UTILIZATION)
-    assert gauge and gauge[0].attributes[c.HW_ID] == "GPU-fake-0"
+    assert gauge and gauge[0].attributes[c.HW_ID] == "GPU-" + fake_uuid(0)  # NVML's form of torch's UUID
     import threading
 
     assert threading.main_thread().ident not in nvml.threads  # NVML never runs on a request thread

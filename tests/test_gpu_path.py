@@ -4,16 +4,20 @@ under the event's device and never during a graph capture."""
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import threading
 import time
 
 import pytest
 
 import stagetrace
-from fakes import FakeCudaBackend, FakeGpu, FakeNvml, FakeTensor, FakeTorch, fake_model
+from fakes import FakeCudaBackend, FakeGpu, FakeNvml, FakeNvmlDevice, FakeTensor, FakeTorch, fake_model, fake_uuid
 from stagetrace import conventions as c
 from stagetrace.gpu import attach_gpu
-from stagetrace.gpu.backend import TorchCudaBackend
+from stagetrace.gpu import backend as backend_module
+from stagetrace.gpu.backend import TorchCudaBackend, mapped_function, nvml_uuid
+from stagetrace.gpu.events import CaptureGuard, CudaEventTimer, EventPool
 from stagetrace.gpu.nvml import NvmlSampler
 from stagetrace.settings import Settings
 
@@ -102,6 +106,61 @@ def test_a_mig_device_gets_the_mig_message(caplog):
     with caplog.at_level("WARNING", logger="stagetrace"):
         assert sampler.start() is False
     assert "MIG" in caplog.text and "NVML error" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("name", "visible", "expected"),
+    [
+        ("NVIDIA H200", "", "GPU-"),
+        ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", "", "MIG-"),  # CUDA's name for a MIG instance
+        ("NVIDIA H100 80GB HBM3", "MIG-4b7c2d10-9e3f-5a1c-8d2b-6e5f4a3b2c10", "MIG-"),
+        ("NVIDIA H100 80GB HBM3", "0,1", "GPU-"),
+    ],
+)
+def test_torchs_bare_uuid_is_mapped_to_nvmls_form(name, visible, expected):
+    raw = fake_uuid(0)  # what str(torch.cuda.get_device_properties(0).uuid) prints: bare 8-4-4-4-12 hex
+    assert nvml_uuid(raw, device_name=name, visible_devices=visible) == expected + raw
+    assert nvml_uuid("MIG-" + raw) == "MIG-" + raw and nvml_uuid("GPU-" + raw) == "GPU-" + raw
+
+
+def test_backend_reads_the_uuid_and_name_torch_reports(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    torch = FakeTorch(device_name="NVIDIA A100-SXM4-40GB MIG 1g.5gb")
+    torch.initialized = True
+    assert TorchCudaBackend(torch).device_uuid(0) == "MIG-" + fake_uuid(0)
+    assert TorchCudaBackend(FakeTorch()).device_uuid(0) == "GPU-" + fake_uuid(0)
+
+
+@pytest.mark.parametrize(
+    ("devices", "device_name", "message"),
+    [
+        # the instance's name says MIG: the sampler is given MIG-<hex> and never asks NVML for a handle
+        ([FakeNvmlDevice("MIG-" + fake_uuid(0), mig_instance=True)], "NVIDIA H100 80GB HBM3 MIG 1g.10gb", "MIG"),
+        # it does not: NVML does not know GPU-<hex> but knows MIG-<hex>
+        ([FakeNvmlDevice("GPU-" + fake_uuid(7)), FakeNvmlDevice("MIG-" + fake_uuid(0), mig_instance=True)],
+         "NVIDIA H100 80GB HBM3", "MIG"),
+        # neither form known: an NVML error, as before
+        ([FakeNvmlDevice("GPU-" + fake_uuid(7))], "NVIDIA H100 80GB HBM3", "NVML error"),
+    ],
+)  # fmt: skip
+def test_a_mig_instance_from_torch_gets_the_mig_message(make_harness, caplog, devices, device_name, message):
+    from stagetrace import _safety
+
+    _safety._warned.clear()
+    h = make_harness(gpu=False)
+    backend = FakeCudaBackend(device_name=device_name)
+    support = attach_gpu(h.handle.runtime, backend=backend, nvml=FakeNvml(devices=devices), nvml_poll_interval_s=0.02)
+    with caplog.at_level("WARNING", logger="stagetrace"):
+        for _ in range(3):
+            with stagetrace.pipeline("r"), stagetrace.gpu_stage("infer"):
+                fake_model(FakeTensor(backend.gpu, 8), ms=1)
+            h.wait_verdicts(1)
+            h.flush()
+    warnings = [r.getMessage() for r in caplog.records if "GPU utilisation off" in r.getMessage()]
+    assert support.samplers == {}
+    assert len(warnings) == 1 and message in warnings[0]
+    if message == "MIG":
+        assert "NVML error" not in warnings[0]
 
 
 # --- item 4: no event leaks -----------------------------------------------------------------------------
@@ -232,6 +291,130 @@ def test_a_placement_past_the_trace_end_is_moved_back_not_dropped(make_harness):
     assert infer.attributes[c.GPU_PLACEMENT_CLAMPED] is True
 
 
+def spinning_thread(stop: threading.Event) -> threading.Thread:
+    """A pure-Python CPU-bound thread: it gives the GIL up only when asked to, every switch interval."""
+
+    def spin() -> None:
+        x = 0
+        while not stop.is_set():
+            x += 1
+
+    t = threading.Thread(target=spin, daemon=True)
+    t.start()
+    return t
+
+
+def test_clock_anchors_survive_a_cpu_bound_python_thread():
+    """FakeEvent.record, like torch's binding, releases the GIL around its C part; here that part lasts
+    100 us (as cudaEventRecord can while another thread's launches hold the driver's lock), long enough for
+    the pure-Python thread beside it to take the GIL, which it then keeps for a switch interval (5 ms). A
+    window holding such a record can never be under 50 us: the anchor's record is made with the GIL held."""
+    backend = FakeCudaBackend(FakeGpu(record_c_us=100))
+    timer = CudaEventTimer(backend, EventPool(backend), CaptureGuard())
+    stop = threading.Event()
+    spinner = spinning_thread(stop)
+    try:
+        for _ in range(10):
+            timer._calibrate(0)
+    finally:
+        stop.set()
+        spinner.join()
+    anchors = timer.anchors(0)
+    assert anchors, f"no anchor kept beside a CPU-bound thread ({timer.anchors_rejected} rejected)"
+    assert all(a.error_ns * 2 <= timer.anchor_max_window_ns for a in anchors)
+    assert timer.records_holding_gil >= len(anchors) and timer.records_through_torch == 0
+
+
+def test_without_a_gil_held_record_anchors_fall_back_to_torchs_and_are_rejected_when_wide():
+    """Where the CUDA runtime cannot be reached, the window holds torch's record, and a record that stays
+    in C past the bound is not trusted: no placement rather than a wrong one."""
+    backend = FakeCudaBackend(FakeGpu(record_c_us=100), gil_held_record=False)
+    timer = CudaEventTimer(backend, EventPool(backend), CaptureGuard())
+    for _ in range(3):
+        timer._calibrate(0)
+    assert timer.records_through_torch >= 3 and timer.records_holding_gil == 0
+    assert timer.anchors(0) == () and timer.anchors_rejected == 3
+
+
+def test_gpu_spans_are_placed_beside_a_cpu_bound_python_thread(make_harness):
+    """An application with a pure-Python CPU-bound thread (a tokenizer, JSON) still gets GPU placement."""
+    h = make_harness(gpu=False)
+    backend = FakeCudaBackend(FakeGpu(record_c_us=100))
+    support = attach_gpu(h.handle.runtime, backend=backend, nvml_enabled=False)
+    support.timer.anchor_interval_s = 0.01
+    stop = threading.Event()
+    spinner = spinning_thread(stop)
+    try:
+        with stagetrace.pipeline("warm"), stagetrace.gpu_stage("infer"):
+            pass
+        wait_for_anchor(h, support)
+        with stagetrace.pipeline("r"), stagetrace.gpu_stage("infer"):
+            fake_model(FakeTensor(backend.gpu, 8), ms=5)
+        h.wait_verdicts(2)
+    finally:
+        stop.set()
+        spinner.join()
+    placed = h.by_name("infer")[-1].attributes
+    assert c.HOST_DURATION_MS in placed, f"not placed ({support.timer.anchors_rejected} anchors rejected)"
+    assert placed[c.GPU_PLACEMENT_ERROR_US] <= 25
+
+
+def test_the_gil_held_record_falls_back_to_torchs_and_keeps_the_runtimes_last_error_clean(monkeypatch):
+    """``record_holding_gil`` calls cudaEventRecord on torch's own handles; a failed call is not an anchor
+    and its error is cleared from the runtime's per-thread state (a later torch call would raise it)."""
+    calls: list[tuple[str, tuple]] = []
+    status = {"cudaEventRecord": 0}
+
+    def cudart(name, argtypes, hold_gil=False):
+        assert hold_gil or name == "cudaGetLastError"
+        return lambda *args: calls.append((name, args)) or status.get(name, 0)
+
+    monkeypatch.setattr(backend_module, "_cudart_function", cudart)
+    torch = FakeTorch()
+    torch.initialized = True
+    backend = TorchCudaBackend(torch)
+    stream = torch.cuda.Stream()
+    event = torch.cuda.Event(enable_timing=True)
+    assert not backend.event_created(event) and backend.record_holding_gil(event, stream) is False
+    event.record(stream)  # torch creates the CUDA event at its first record
+    assert backend.event_created(event) and backend.record_holding_gil(event, stream) is True
+    assert calls == [("cudaEventRecord", (event.cuda_event, stream.cuda_stream))]
+    status["cudaEventRecord"] = 400  # cudaErrorInvalidResourceHandle
+    assert backend.record_holding_gil(event, stream) is False
+    assert [name for name, _ in calls[1:]] == ["cudaEventRecord", "cudaGetLastError"]
+
+
+def test_a_function_called_holding_the_gil_lets_no_python_thread_run():
+    """What ``record_holding_gil`` rests on: ``mapped_function(..., hold_gil=True)`` (ctypes.PyDLL) keeps
+    the GIL through the C call. A 20 ms sleep in libc made that way lets a spinning thread take no step;
+    with a long switch interval (0.25 s) nothing else can take the GIL from this thread meanwhile."""
+    usleep = mapped_function("libc.so", "usleep", [ctypes.c_uint], hold_gil=True)
+    if usleep is None:
+        pytest.skip("no libc.so mapped into this process")
+    count = [0]
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    t = threading.Thread(target=spin, daemon=True)
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(0.25)
+    try:
+        t.start()
+        while count[0] == 0:
+            time.sleep(0.001)  # the spinner runs; this thread then takes the GIL back for a fresh interval
+        before = count[0]
+        usleep(20_000)
+        after = count[0]
+    finally:
+        stop.set()
+        sys.setswitchinterval(previous)
+        t.join()
+    assert after == before
+
+
 def test_queries_run_under_the_events_device_in_thread_local_capture_mode(make_harness):
     h = make_harness(gpu=False)
     backend = FakeCudaBackend()
@@ -323,48 +506,3 @@ def test_concurrent_requests_on_one_stream_bracket_each_others_kernels(make_harn
         assert verdicts["first"] == pytest.approx(20)
     else:
         assert verdicts["first"] == pytest.approx(40)  # its events bracket the second request's kernels too
-
-
-# --- item 8: the first GPU run's own logic, checked here -------------------------------------------------
-
-
-def _benchmark_module(name: str):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_gpu_check_cuts_cupti_records_into_requests():
-    gpu_check = _benchmark_module("gpu_check")
-    events = []
-    for i in range(3):  # per request: a copy in, two kernels with a launch gap, a copy out; a memset ignored
-        t = i * 1000.0
-        events += [
-            ("Memcpy HtoD (Pinned -> Device)", t, 100.0),
-            ("ampere_sgemm_128x64_tn", t + 110, 200.0),
-            ("Memset (Device)", t + 312, 1.0),
-            ("void elementwise_kernel", t + 320, 30.0),
-            ("Memcpy DtoH (Device -> Pageable)", t + 360, 80.0),
-        ]
-    events.append(("Memcpy DtoH (Device -> Pageable)", 5000.0, 10.0))  # a stray copy outside a request
-    out = gpu_check.truth_per_request(reversed(events))
-    assert out == [{"h2d": 0.1, "infer": 0.24, "d2h": 0.08}] * 3
-    assert gpu_check.within(1.04, 1.0) and not gpu_check.within(1.06, 1.0)
-    assert gpu_check.within(0.03, 0.015)  # 20 us of slack for tiny stages
-
-
-def test_gpu_session_script_is_valid_and_runs_its_steps_in_order():
-    import re
-    import subprocess
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_session.sh"
-    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    steps = re.findall(r"^step (\S+) (\d+) ", script.read_text(), flags=re.M)
-    assert [s for s, _ in steps] == ["env", "nvml", "cuda-tests", "anchors", "capture", "dtype", "gpu-check"]
-    assert sum(int(limit) for _, limit in steps) < 600  # every step bounded, the whole within one 10-minute device call

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from fakes import FakeNvml
+from fakes import FakeNvml, fake_uuid
 from stagetrace.gpu.nvml import NvmlSampler, utilization_over_window
 
 
@@ -38,7 +38,7 @@ def test_no_overlapping_sample_gives_none():
 def test_sample_timestamps_are_mapped_to_epoch(clock):
     nvml = FakeNvml(utilization=0.7, period_ms=10, clock=clock)
     time.sleep(0.05)
-    sampler = NvmlSampler("GPU-x", nvml=nvml, poll_interval_s=0.02)
+    sampler = NvmlSampler("GPU-" + fake_uuid(0), nvml=nvml, poll_interval_s=0.02)
     assert sampler.start()
     try:
         assert sampler.clock == clock
@@ -52,7 +52,7 @@ def test_sample_timestamps_are_mapped_to_epoch(clock):
 
 def test_idle_gpu_with_an_empty_sample_buffer_is_not_an_error():
     nvml = FakeNvml(period_ms=10_000)  # no sample in the buffer yet: NVML_ERROR_NOT_FOUND
-    sampler = NvmlSampler("GPU-x", nvml=nvml, poll_interval_s=0.01)
+    sampler = NvmlSampler("GPU-" + fake_uuid(0), nvml=nvml, poll_interval_s=0.01)
     assert sampler.start()
     time.sleep(0.05)
     assert sampler.enabled

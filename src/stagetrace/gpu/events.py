@@ -3,7 +3,9 @@
 Events come from a per-device pool and are recorded on the stage's stream on the request thread. Only the
 helper thread reads them, and only after ``query()`` says they completed; ``elapsed_time`` is never called on an
 incomplete event. Wall-clock placement comes from calibration anchors: an event recorded on an idle side
-stream whose completion the helper thread observes, so ``t(E) = t(anchor) + anchor.elapsed_time(E)``.
+stream whose completion the helper thread observes, so ``t(E) = t(anchor) + anchor.elapsed_time(E)``. The
+anchor's record is made with the GIL held where the backend can (``record_holding_gil``), so that a CPU-bound
+Python thread cannot put a switch interval inside its window.
 """
 
 from __future__ import annotations
@@ -159,6 +161,7 @@ class CudaEventTimer:
         anchor_interval_s: float = 2.0,
         anchor_attempts: int = 8,
         anchor_max_window_ns: int = 50_000,
+        anchor_budget_ns: int = 2_000_000,
     ) -> None:
         self.backend = backend
         self.pool = pool
@@ -166,11 +169,14 @@ class CudaEventTimer:
         self.anchor_interval_s = anchor_interval_s
         self.anchor_attempts = anchor_attempts
         self.anchor_max_window_ns = anchor_max_window_ns
+        self.anchor_budget_ns = anchor_budget_ns  # of the helper thread's time per calibration
         self._anchors: dict[int, deque[Anchor]] = {}
         self._side_streams: dict[int, Any] = {}
         self._last_anchor: dict[int, float] = {}
         self.devices_seen: set[int] = set()
         self.anchors_rejected = 0  # calibrations whose best window was too wide to trust
+        self.records_holding_gil = 0  # anchor records made with the GIL held (the others went through torch)
+        self.records_through_torch = 0
         self.thread_local_capture: bool | None = None  # None: not tried yet on the helper thread
 
     def _prepare_thread(self) -> None:
@@ -266,32 +272,28 @@ class CudaEventTimer:
             except Exception:
                 report_internal_error("CUDA clock calibration")
 
+    def anchors(self, device: int) -> tuple[Anchor, ...]:
+        """The clock anchors kept for ``device``, oldest first."""
+        return tuple(self._anchors.get(device, ()))
+
     def _calibrate(self, device: int) -> None:
         """Record a pooled event on a dedicated idle stream and watch it complete with ``query()`` (never
-        synchronize). ``Event.record`` releases the GIL, so under contention the window between the host
-        time before the record and the first query that sees it complete can be milliseconds wide: the
-        tightest of several attempts is kept, and only if it is under ``anchor_max_window_ns``."""
+        synchronize); the tightest of several attempts is kept, and only if its window is under
+        ``anchor_max_window_ns``. An attempt that finds the event still pending when the budget is spent
+        ends the calibration (the device is too busy to answer fast)."""
         stream = self._side_streams.get(device)
         if stream is None:
             stream = self._side_streams[device] = self.backend.new_side_stream(device)
         best: Anchor | None = None
-        budget_end = time.perf_counter_ns() + 2_000_000  # at most ~2 ms of this thread per calibration
+        budget_end = time.perf_counter_ns() + self.anchor_budget_ns
         for _ in range(self.anchor_attempts):
             event = self.pool.acquire(device)
             if event is None:
                 break
-            host_perf = time.perf_counter_ns()
-            before = time.time_ns()
-            event.record(stream)
-            while not event.query():
-                if time.perf_counter_ns() > budget_end:
-                    self.pool.discard(device, 1)  # still pending: it cannot be reused
-                    event = None
-                    break
-            if event is None:
-                break  # the device is too busy to answer fast
-            after = time.time_ns()
-            attempt = Anchor(event, (before + after) // 2, host_perf, (after - before) // 2)
+            attempt = self._anchor_attempt(event, stream, budget_end)
+            if attempt is None:
+                self.pool.discard(device, 1)  # still pending: it cannot be reused
+                break
             if best is None or attempt.error_ns < best.error_ns:
                 if best is not None:
                     self.pool.release(device, best.event)
@@ -309,3 +311,33 @@ class CudaEventTimer:
         if len(anchors) == anchors.maxlen:
             self.pool.release(device, anchors[0].event)
         anchors.append(best)
+
+    def _anchor_attempt(self, event: Any, stream: Any, budget_end: int) -> Anchor | None:
+        """One observation of ``event`` completing on the idle side stream, or None if it was still pending
+        when the budget ran out. The window runs from the last moment the event was seen pending (at first,
+        just before its record) to the first moment it was seen complete; nothing in it waits for the GIL.
+        ``Event.record`` releases the GIL, and a CPU-bound Python thread beside this one then keeps it for a
+        switch interval: the record is made with the GIL held where the backend can. torch creates the CUDA
+        event at its first record, so a new event is recorded once through torch first, outside the window."""
+        backend = self.backend
+        if not backend.event_created(event):
+            event.record(stream)
+            while not event.query():
+                if time.perf_counter_ns() > budget_end:
+                    return None
+        host_perf = time.perf_counter_ns()
+        low = time.time_ns()
+        if backend.record_holding_gil(event, stream):
+            self.records_holding_gil += 1
+        else:
+            event.record(stream)
+            self.records_through_torch += 1
+        while True:
+            polled = time.time_ns()
+            if event.query():
+                break
+            low = max(low, polled)  # it was still pending after this instant
+            if time.perf_counter_ns() > budget_end:
+                return None
+        high = time.time_ns()
+        return Anchor(event, (low + high) // 2, host_perf, (high - low) // 2)

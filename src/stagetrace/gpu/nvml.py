@@ -99,6 +99,9 @@ class NvmlSampler:
         self._clock_offset_us = 0  # added to NVML timestamps to get epoch µs
         self.period_us = poll_interval_s * 1e6
         self.memory_used_bytes: int | None = None
+        self.driver_samples = 0  # samples read from the driver's buffer (nvmlDeviceGetSamples)
+        self.stand_ins = 0  # readings of nvmlDeviceGetUtilizationRates stamped with the poll time
+        self.newest_driver_sample_us: int | None = None  # epoch µs of the newest driver sample
         self.enabled = False
         self.hw_id = device_uuid or f"gpu{device_index}"
         self._pid = os.getpid()
@@ -120,7 +123,7 @@ class NvmlSampler:
         try:
             nvml.nvmlInit()
             if self.device_uuid:
-                self._handle = nvml.nvmlDeviceGetHandleByUUID(self.device_uuid)
+                self._handle = _handle_by_uuid(nvml, self.device_uuid)
             else:
                 self._handle = nvml.nvmlDeviceGetHandleByIndex(self.device_index)
             self._check_mig(nvml)
@@ -135,6 +138,11 @@ class NvmlSampler:
         self._thread = threading.Thread(target=self._run, name="stagetrace-nvml", daemon=True)
         self._thread.start()
         return True
+
+    @property
+    def clock_offset_us(self) -> int:
+        """What is added to NVML's sample timestamps to make them epoch µs (``_detect_clock``)."""
+        return self._clock_offset_us
 
     def _check_mig(self, nvml: Any) -> None:
         try:
@@ -193,9 +201,13 @@ class NvmlSampler:
             self._clock_offset_us = 0
         if new:
             new.sort()
-            if not stand_in:  # lastSeen follows the driver's own samples only (its clock may not be epoch)
-                self._last_ts = max(self._last_ts, new[-1][0])
             shifted = [(ts + self._clock_offset_us, v) for ts, v in new]
+            if stand_in:
+                self.stand_ins += len(new)
+            else:  # lastSeen follows the driver's own samples only (its clock may not be epoch)
+                self._last_ts = max(self._last_ts, new[-1][0])
+                self.driver_samples += len(new)
+                self.newest_driver_sample_us = shifted[-1][0]
             with self._lock:
                 before = len(self._samples)
                 self._samples.extend(shifted)
@@ -262,6 +274,24 @@ MIG_MESSAGE = "the device is a MIG instance (or MIG is enabled), and NVML does n
 
 class _MigUnsupported(Exception):
     pass
+
+
+def _handle_by_uuid(nvml: Any, uuid: str) -> Any:
+    """NVML's handle for ``uuid``. A MIG instance whose UUID came from torch as bare hex may have been given
+    the ``GPU-`` prefix (``backend.nvml_uuid`` cannot always tell): when NVML does not know ``GPU-<hex>``
+    but knows ``MIG-<hex>``, the device is a MIG instance and ``_MigUnsupported`` says so (rather than an
+    NVML error about an unknown UUID)."""
+    try:
+        return nvml.nvmlDeviceGetHandleByUUID(uuid)
+    except nvml.NVMLError as e:
+        unknown = getattr(e, "value", None) in (nvml.NVML_ERROR_NOT_FOUND, nvml.NVML_ERROR_INVALID_ARGUMENT)
+        if not (unknown and uuid.startswith("GPU-")):
+            raise
+        try:
+            nvml.nvmlDeviceGetHandleByUUID("MIG-" + uuid[len("GPU-") :])
+        except nvml.NVMLError:
+            raise e from None
+        raise _MigUnsupported(MIG_MESSAGE) from None
 
 
 def _sample_value(sample: Any) -> float:
