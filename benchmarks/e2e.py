@@ -693,7 +693,12 @@ def count_variant(variant: str, workload: str, requests: int, sink_port: int) ->
             sink_port,
             None,
             prefix=prefix,
-            extra_env={"E2E_QUIET_SAMPLERS": "1", "STAGETRACE_HEALTHY_SAMPLE": "0", "STAGETRACE_OUTPUT_DIR": directory},
+            extra_env={
+                "E2E_QUIET_SAMPLERS": "1",
+                "STAGETRACE_HEALTHY_SAMPLE": "0",
+                "STAGETRACE_OUTPUT_DIR": directory,
+                "PYTHONHASHSEED": "0",  # one hash seed for every run: dict layouts (and counts) alike
+            },
             start_timeout_s=600,
         )
         try:
