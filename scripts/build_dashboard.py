@@ -1,4 +1,5 @@
-"""Generate dashboards/stagetrace.json, the Grafana dashboard of stagetrace's metrics.
+"""Generate dashboards/stagetrace.json, the Grafana dashboard of stagetrace's metrics, and
+dashboards/stagetrace-fleet.json, the one of the verdicts stored in ClickHouse.
 
     python scripts/build_dashboard.py          # rewrite the committed JSON
     python scripts/build_dashboard.py --check  # exit 1 if the committed JSON differs (the tests run this)
@@ -8,6 +9,10 @@ names are what the Collector's prometheus exporter (and OpenTelemetry's Python P
 of stagetrace's OpenTelemetry metrics: units become suffixes (ms -> _milliseconds), counters get _total,
 dots become underscores. The GPU gauge is matched with and without the _ratio suffix that only the
 Collector adds.
+
+The fleet dashboard reads the trace table of the Collector's clickhouse exporter (database otel, table
+otel_traces: the stack's collector config) through Grafana's ClickHouse data source: the verdict stagetrace
+writes on each kept trace's root span. Its SQL is run against chDB by the tests.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ from pathlib import Path
 from typing import Any
 
 OUT = Path(__file__).resolve().parent.parent / "dashboards" / "stagetrace.json"
+FLEET_OUT = OUT.with_name("stagetrace-fleet.json")
 DS = {"type": "prometheus", "uid": "${datasource}"}
+CH_DS = {"type": "grafana-clickhouse-datasource", "uid": "${datasource}"}
+TRACES = "otel.otel_traces"
 SEL = 'job=~"$service", http_route=~"$route"'
 SVC = 'job=~"$service"'
 STAGE = "stagetrace_stage_duration_milliseconds"
@@ -53,7 +61,7 @@ def panel(pid: int, title: str, kind: str, grid: tuple[int, int, int, int], targ
         "type": kind,
         "title": title,
         "description": kw.pop("description", ""),
-        "datasource": DS,
+        "datasource": kw.pop("datasource", DS),
         "gridPos": {"x": x, "y": y, "w": w, "h": h},
         "targets": targets,
         "fieldConfig": {"defaults": defaults, "overrides": kw.pop("overrides", [])},
@@ -348,20 +356,173 @@ def build() -> dict:
     }
 
 
-def render() -> str:
-    return json.dumps(build(), indent=2) + "\n"
+# --- the fleet: verdicts stored in ClickHouse ---------------------------------------------------------------
+
+# The roots that carry stagetrace's verdict, in the dashboard's time range and services.
+VERDICT_ROOTS = "ParentSpanId = '' AND mapContains(SpanAttributes, 'stagetrace.total_ms')"
+VERDICTS = (
+    f"FROM {TRACES} WHERE $__timeFilter(Timestamp) AND ServiceName IN (${{service:singlequote}}) AND {VERDICT_ROOTS}"
+)
+SERVICES = (
+    f"SELECT DISTINCT ServiceName FROM {TRACES} WHERE $__timeFilter(Timestamp) AND {VERDICT_ROOTS} ORDER BY ServiceName"
+)
+VERSION = "ResourceAttributes['service.version']"
+KEPT = (
+    "Stored verdicts describe the traces stagetrace kept (every slow, diagnosed or errored one and a share of "
+    "healthy ones), not every request: the stagetrace dashboard's metrics count every request."
+)
+
+
+def ch_target(sql: str, ref: str = "A", table: bool = True) -> dict:
+    """A query of Grafana's ClickHouse data source (SQL editor); table or time series."""
+    return {
+        "datasource": CH_DS,
+        "editorType": "sql",
+        "queryType": "table" if table else "timeSeries",
+        "format": 1 if table else 0,
+        "rawSql": sql,
+        "refId": ref,
+    }
+
+
+def build_fleet() -> dict:
+    stage_p99 = (
+        "SELECT stage_ms.1 AS stage, version, count() AS traces, round(quantile(0.5)(stage_ms.2), 2) AS p50_ms, "
+        "round(quantile(0.99)(stage_ms.2), 2) AS p99_ms FROM ("
+        f"SELECT {VERSION} AS version, "
+        "JSONExtract(SpanAttributes['stagetrace.stages'], 'Array(String)') AS names, "
+        "JSONExtract(SpanAttributes['stagetrace.stages_ms'], 'Array(Float64)') AS values, "
+        f"least(length(names), length(values)) AS n {VERDICTS}"
+        ") ARRAY JOIN arrayZip(arraySlice(names, 1, n), arraySlice(values, 1, n)) AS stage_ms "
+        "GROUP BY stage, version ORDER BY stage, version"
+    )
+    request_p99 = (
+        f"SELECT $__timeInterval(Timestamp) AS time, {VERSION} AS version, "
+        "quantile(0.99)(toFloat64OrZero(SpanAttributes['stagetrace.total_ms'])) AS p99_ms "
+        f"{VERDICTS} GROUP BY time, version ORDER BY time"
+    )
+    bottlenecks = (
+        f"SELECT {VERSION} AS version, SpanAttributes['stagetrace.bottleneck.stage'] AS bottleneck, "
+        "count() AS traces, round(traces / sum(traces) OVER (PARTITION BY version), 4) AS share "
+        f"{VERDICTS} GROUP BY version, bottleneck ORDER BY version, traces DESC"
+    )
+    diagnoses = (
+        "SELECT version, code, count() AS traces FROM ("
+        f"SELECT {VERSION} AS version, JSONExtract(SpanAttributes['stagetrace.diagnosis'], 'Array(String)') AS codes "
+        f"{VERDICTS}) ARRAY JOIN codes AS code GROUP BY version, code ORDER BY version, traces DESC"
+    )
+    table_opts = {"showHeader": True, "cellHeight": "sm"}
+    panels = [
+        panel(
+            1,
+            "Stage p50 / p99 by service.version (stored verdicts)",
+            "table",
+            (0, 0, 12, 10),
+            [ch_target(stage_p99)],
+            datasource=CH_DS,
+            options=table_opts,
+            description="Time charged to each stage per trace, from the breakdown on each kept trace's root "
+            f"(stagetrace.stages / stagetrace.stages_ms), compared across versions. {KEPT}",
+        ),
+        panel(
+            2,
+            "Request p99 by service.version (stored verdicts)",
+            "timeseries",
+            (12, 0, 12, 10),
+            [ch_target(request_p99, table=False)],
+            datasource=CH_DS,
+            unit="ms",
+            description=f"stagetrace.total_ms of kept traces' roots. {KEPT}",
+        ),
+        panel(
+            3,
+            "Bottleneck by service.version",
+            "table",
+            (0, 10, 12, 9),
+            [ch_target(bottlenecks)],
+            datasource=CH_DS,
+            options=table_opts,
+            description=f"stagetrace.bottleneck.stage: the stage that held the most time of each trace. {KEPT}",
+        ),
+        panel(
+            4,
+            "Diagnoses by service.version",
+            "table",
+            (12, 10, 12, 9),
+            [ch_target(diagnoses)],
+            datasource=CH_DS,
+            options=table_opts,
+            description="Kept traces on which each rule fired (stagetrace.diagnosis). For a report with "
+            "examples: stagetrace report --clickhouse URL --database otel --group-by service.version",
+        ),
+    ]
+    return {
+        "uid": "stagetrace-fleet",
+        "title": "stagetrace: fleet (stored verdicts in ClickHouse)",
+        "description": "stagetrace's verdicts as the Collector's clickhouse exporter stores them, compared across "
+        "service versions.",
+        "tags": ["stagetrace", "inference", "clickhouse"],
+        "schemaVersion": 42,
+        "version": 1,
+        "editable": False,
+        "graphTooltip": 1,
+        "time": {"from": "now-6h", "to": "now"},
+        "refresh": "1m",
+        "timezone": "browser",
+        "annotations": {"list": []},
+        "links": [],
+        "templating": {
+            "list": [
+                {
+                    "name": "datasource",
+                    "type": "datasource",
+                    "query": "grafana-clickhouse-datasource",
+                    "label": "Data source",
+                    "current": {"text": "ClickHouse", "value": "clickhouse"},
+                    "hide": 0,
+                },
+                {
+                    "name": "service",
+                    "type": "query",
+                    "label": "Service",
+                    "datasource": CH_DS,
+                    "query": {
+                        "editorType": "sql",
+                        "rawSql": SERVICES,
+                    },
+                    "definition": "services with stored verdicts",
+                    "refresh": 2,
+                    "multi": True,
+                    "includeAll": True,
+                    "sort": 1,
+                    "hide": 0,
+                },
+            ]
+        },
+        "panels": panels,
+    }
+
+
+DASHBOARDS = ((OUT, build), (FLEET_OUT, build_fleet))
+
+
+def render(builder=build) -> str:
+    return json.dumps(builder(), indent=2) + "\n"
 
 
 def main(argv: list[str]) -> int:
-    text = render()
-    if "--check" in argv:
-        if OUT.read_text() != text:
-            print(f"{OUT} is out of date: run python scripts/build_dashboard.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
-    print(f"wrote {OUT}")
-    return 0
+    stale = []
+    for path, builder in DASHBOARDS:
+        text = render(builder)
+        if "--check" in argv:
+            if not path.exists() or path.read_text() != text:
+                stale.append(path)
+            continue
+        path.write_text(text)
+        print(f"wrote {path}")
+    for path in stale:
+        print(f"{path} is out of date: run python scripts/build_dashboard.py", file=sys.stderr)
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":

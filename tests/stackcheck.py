@@ -64,3 +64,52 @@ def check_collector_config(cfg: dict[str, Any]) -> list[str]:
         if ext not in (cfg.get("extensions") or {}):
             problems.append(f"service extension {ext!r} is not defined")
     return problems
+
+
+# The clickhouse exporter's options: open-telemetry/opentelemetry-collector-contrib,
+# exporter/clickhouseexporter/config.schema.yaml (2026), its own properties with their types, plus the keys it
+# takes from exporterhelper (timeout, sending_queue) and configretry (retry_on_failure). Unknown keys are
+# errors, as they are for the Collector.
+CLICKHOUSE_EXPORTER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["endpoint"],
+    "properties": {
+        **{
+            key: {"type": "string"}
+            for key in (
+                "endpoint",
+                "username",
+                "password",
+                "database",
+                "traces_table_name",
+                "logs_table_name",
+                "profiles_table_name",
+                "metrics_table_name",
+                "cluster_name",
+                "compress",
+                "ttl",
+                "timeout",
+            )
+        },
+        **{key: {"type": "boolean"} for key in ("async_insert", "create_schema", "json")},
+        "connection_params": {"type": "object", "additionalProperties": {"type": "string"}},
+        "metrics_tables": {"type": "object"},
+        "table_engine": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"name": {"type": "string"}, "params": {"type": "string"}},
+        },
+        "tls": {"type": "object"},
+        "sending_queue": {"type": "object"},
+        "retry_on_failure": {"type": "object"},
+    },
+}
+
+
+def check_clickhouse_exporter(block: dict[str, Any]) -> list[str]:
+    """Problems with one clickhouse exporter's options, by the exporter's schema (needs jsonschema)."""
+    import jsonschema
+
+    validator = jsonschema.Draft7Validator(CLICKHOUSE_EXPORTER_SCHEMA)
+    return [f"{'.'.join(map(str, e.path)) or '(block)'}: {e.message}" for e in validator.iter_errors(block)]

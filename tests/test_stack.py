@@ -1,5 +1,6 @@
 """The deployment stack, verified offline: compose file, Collector configs, Grafana provisioning and the
-dashboard (schema, promtool, and every query against a real Prometheus scraping a stagetrace app)."""
+dashboards (schema, promtool, and every query against a real Prometheus scraping a stagetrace app; the fleet
+dashboard's SQL against chDB holding stagetrace's traces in the Collector ClickHouse exporter's table)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stackcheck import check_collector_config
+from stackcheck import check_clickhouse_exporter, check_collector_config
 from stagetrace.testing.load import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +42,7 @@ def test_compose_file_is_valid_for_docker_compose():
 def test_compose_publishes_only_on_loopback_pins_images_and_ships_no_admin_password():
     doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = doc["services"]
-    assert {"otel-collector", "jaeger", "prometheus", "grafana", "demo"} <= set(services)
+    assert {"otel-collector", "jaeger", "prometheus", "grafana", "clickhouse", "demo"} <= set(services)
     for name, svc in services.items():
         for port in svc.get("ports", []):
             assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
@@ -97,9 +98,46 @@ def test_single_node_config_keeps_slow_and_diagnosed_traces_and_feeds_span_metri
     assert "stagetrace.diagnosis" in policies["diagnosed"]["ottl_condition"]["span"][0]
     assert "STAGETRACE_BASELINE_SAMPLING_PERCENT" in str(policies["baseline"])
     pipes = cfg["service"]["pipelines"]
-    assert "tail_sampling" not in pipes["traces/all"]["processors"]  # span metrics see every span
-    assert pipes["traces/all"]["exporters"] == ["span_metrics"]
+    assert "tail_sampling" not in pipes["traces/all"]["processors"]  # span metrics and ClickHouse see every span
+    assert pipes["traces/all"]["exporters"] == ["span_metrics", "clickhouse"]
+    assert pipes["traces/sampled"]["exporters"] == ["otlp_grpc/jaeger"]
     assert cfg["exporters"]["prometheus"]["enable_open_metrics"] is True
+
+
+@pytest.mark.parametrize("name", ["otelcol.yaml", "otelcol-gateway.yaml"])
+def test_clickhouse_exporter_follows_the_exporters_schema_and_feeds_the_report(name):
+    cfg = yaml.safe_load((ROOT / "collector-config" / name).read_text())
+    pytest.importorskip("jsonschema")
+    block = cfg["exporters"]["clickhouse"]
+    assert check_clickhouse_exporter(block) == []
+    assert "batch" not in cfg["service"]["pipelines"]["traces/all"].get("processors", [])  # sending_queue batches
+    assert (block["database"], block["traces_table_name"]) == ("otel", "otel_traces")
+    assert block["password"] == "${env:CLICKHOUSE_PASSWORD}"  # never in the file
+    assert any(
+        "unexpected" in p or "Additional properties" in p for p in check_clickhouse_exporter({**block, "tabel": "x"})
+    )
+    assert check_clickhouse_exporter({**block, "create_schema": "yes"})  # wrong type
+
+
+def test_clickhouse_is_shared_by_collector_grafana_and_the_report():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    ch = compose["clickhouse"]
+    assert ch["image"].startswith("clickhouse/clickhouse-server:26.")
+    assert ch["environment"]["CLICKHOUSE_DB"] == "otel"
+    password = ch["environment"]["CLICKHOUSE_PASSWORD"]
+    for service in ("otel-collector", "grafana"):
+        assert compose[service]["environment"]["CLICKHOUSE_PASSWORD"] == password
+    assert compose["otel-collector"]["depends_on"]["clickhouse"] == {"condition": "service_healthy"}
+    assert compose["grafana"]["environment"]["GF_PLUGINS_PREINSTALL_SYNC"].startswith("grafana-clickhouse-datasource@")
+    ds = yaml.safe_load((ROOT / "grafana/provisioning/datasources/datasources.yaml").read_text())["datasources"]
+    source = next(d for d in ds if d["type"] == "grafana-clickhouse-datasource")
+    data = source["jsonData"]
+    assert (data["host"], data["port"], data["protocol"]) == ("clickhouse", 8123, "http")
+    assert data["username"] == ch["environment"]["CLICKHOUSE_USER"]
+    assert source["secureJsonData"]["password"] == "$CLICKHOUSE_PASSWORD"
+    assert (data["traces"]["defaultDatabase"], data["traces"]["defaultTable"]) == ("otel", "otel_traces")
+    fleet = json.loads((ROOT / "dashboards/stagetrace-fleet.json").read_text())
+    assert fleet["templating"]["list"][0]["current"]["value"] == source["uid"]
 
 
 def test_gateway_tier_is_fed_by_trace_id_load_balancing():
@@ -138,6 +176,89 @@ def test_dashboard_is_generated_and_matches_grafanas_schema():
         assert needed in titles
     assert any(t.get("exemplar") for p in dashboard["panels"] for t in p["targets"])
     assert {v["name"] for v in dashboard["templating"]["list"]} >= {"service", "route"}
+
+
+def test_fleet_dashboard_is_generated_and_matches_grafanas_schema():
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((ROOT / "dashboards/grafana-dashboard.schema.json").read_text())
+    fleet = json.loads((ROOT / "dashboards/stagetrace-fleet.json").read_text())
+    assert [e.message for e in jsonschema.Draft7Validator(schema).iter_errors(fleet)] == []
+    titles = " ".join(p["title"] for p in fleet["panels"])
+    assert "Stage p50 / p99 by service.version" in titles and "Request p99 by service.version" in titles
+    for p in fleet["panels"]:
+        assert p["datasource"]["type"] == "grafana-clickhouse-datasource"
+        assert all(t["editorType"] == "sql" and "otel.otel_traces" in t["rawSql"] for t in p["targets"])
+
+
+def fleet_queries() -> list[tuple[str, str]]:
+    """The fleet dashboard's SQL with Grafana's macros as the ClickHouse data source expands them."""
+    fleet = json.loads((ROOT / "dashboards/stagetrace-fleet.json").read_text())
+    raw = [(p["title"], t["rawSql"]) for p in fleet["panels"] for t in p["targets"]]
+    raw += [
+        (f"variable {v['name']}", v["query"]["rawSql"]) for v in fleet["templating"]["list"] if v["type"] == "query"
+    ]
+    return [
+        (
+            title,
+            # the range as Grafana sends it: explicit bounds (now() has whole seconds: a span of this second
+            # would fall after it)
+            sql.replace(
+                "$__timeFilter(Timestamp)", "Timestamp BETWEEN now() - INTERVAL 1 DAY AND now() + INTERVAL 1 HOUR"
+            )
+            .replace("$__timeInterval(Timestamp)", "toStartOfInterval(Timestamp, INTERVAL 60 second)")
+            .replace("${service:singlequote}", "'fleet-app'"),
+        )
+        for title, sql in raw
+    ]
+
+
+def test_every_fleet_dashboard_query_runs_on_stored_verdicts(tmp_path, monkeypatch):
+    """stagetrace's own traces (two versions of one service) loaded into chDB through the exporter's table:
+    every panel's query runs and the stage table compares both versions."""
+    chdb_session = pytest.importorskip("chdb.session", reason="chDB is not installed (the clickhouse extra)")
+    import stagetrace
+    from stagetrace.report.clickhouse import ChdbConnection, insert_otlp_lines
+    from stagetrace.report.fleet import Source, quote_identifier
+    from stagetrace.report.otel_schema import TRACES_TABLE_DDL
+
+    monkeypatch.setenv("STAGETRACE_OUTPUT_DIR", str(tmp_path / "traces"))
+    handle = stagetrace.configure("fleet-app", slow_threshold_ms=1, set_global=False)
+    for _ in range(6):
+        with stagetrace.pipeline("job"):
+            with stagetrace.stage("decode"):
+                time.sleep(0.001)
+            with stagetrace.stage("infer", kind="io"):
+                time.sleep(0.001)
+            time.sleep(0.02)  # in no stage: UNTRACKED_TIME (>= 10 ms, most of the trace) for the diagnoses panel
+    handle.force_flush()
+    handle.shutdown()
+    versions = iter(["1.0", "1.1"] * 100)
+
+    def tag(row: dict) -> dict:
+        if not row["ParentSpanId"]:
+            row["ResourceAttributes"]["service.version"] = next(versions)
+        return row
+
+    db = tmp_path / "db"
+    session = chdb_session.Session(str(db))
+    session.query("CREATE DATABASE otel")
+    session.query(TRACES_TABLE_DDL.format(database=quote_identifier("otel"), table=quote_identifier("otel_traces")))
+    session.close()
+    conn = ChdbConnection(str(db))
+    lines = [ln for f in (tmp_path / "traces").glob("*.jsonl") for ln in f.read_text().splitlines()]
+    assert insert_otlp_lines(conn, Source("otel", "otel_traces"), lines, transform=tag) > 0
+    conn.close()
+    session = chdb_session.Session(str(db))
+    try:
+        results = {}
+        for title, sql in fleet_queries():
+            results[title] = [json.loads(r) for r in session.query(sql, "JSONCompactEachRow").bytes().splitlines()]
+    finally:
+        session.close()
+    assert all(results.values()), [t for t, rows in results.items() if not rows]
+    stage_rows = results["Stage p50 / p99 by service.version (stored verdicts)"]
+    assert {(r[0], r[1]) for r in stage_rows} == {(s, v) for s in ("decode", "infer") for v in ("1.0", "1.1")}
+    assert sum(r[2] for r in stage_rows if r[0] == "decode") == 6
 
 
 def dashboard_queries(rate: str = "10s", range_: str = "1m") -> list[tuple[str, str]]:

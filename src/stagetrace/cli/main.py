@@ -28,20 +28,40 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--slow-threshold-ms", type=float, default=None, help="slow-trace threshold (default 200)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    report = sub.add_parser("report", help="summarise exported traces (OTLP JSON lines)")
-    report.add_argument("paths", nargs="+", help="files or directories of OTLP JSON lines")
+    report = sub.add_parser(
+        "report",
+        help="summarise exported traces (OTLP JSON lines, or the Collector's ClickHouse exporter's table)",
+    )
+    report.add_argument("paths", nargs="*", help="files or directories of OTLP JSON lines")
     report.add_argument("--json", action="store_true", help="print one JSON object")
     report.add_argument("--html", metavar="FILE", help="also write a self-contained HTML page")
     report.add_argument("--slow-threshold-ms", type=float, default=DEFAULT_SLOW_THRESHOLD_MS)
+    report.add_argument("--route", help="only traces whose root has this http.route")
+    fleet = report.add_argument_group(
+        "ClickHouse (the OpenTelemetry Collector's clickhouse exporter; pip install 'stagetrace[clickhouse]')"
+    )
+    fleet.add_argument(
+        "--clickhouse", metavar="URL", help="http(s)://[user:password@]host:8123, or chdb:PATH (embedded chDB)"
+    )
+    fleet.add_argument("--database", help="the exporter's `database` (default: default)")
+    fleet.add_argument("--traces-table", help="the exporter's `traces_table_name` (default: otel_traces)")
+    fleet.add_argument("--since", help="roots from this time: 24h, 7d (before now), 2026-11-30T12:00Z")
+    fleet.add_argument("--until", help="roots before this time (same forms as --since)")
+    fleet.add_argument("--service", help="only this service (the exporter's ServiceName)")
+    fleet.add_argument(
+        "--group-by", metavar="ATTRIBUTE", help="compare groups of a resource attribute: service.version, k8s.pod.name"
+    )
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "report":
-        from stagetrace.cli.report import run_report
+CLICKHOUSE_ONLY = ("database", "traces_table", "since", "until", "service", "group_by")
 
-        return run_report(args.paths, as_json=args.json, html_path=args.html, slow_threshold_ms=args.slow_threshold_ms)
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "report":
+        return _report(parser, args)
     from stagetrace.demo.runner import run_demo
 
     return run_demo(
@@ -52,6 +72,36 @@ def main(argv: list[str] | None = None) -> int:
         out_dir=args.out,
         slow_threshold_ms=args.slow_threshold_ms,
         progress=not args.no_progress,
+    )
+
+
+def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from stagetrace.cli.report import run_clickhouse_report, run_report
+
+    common = {
+        "as_json": args.json,
+        "html_path": args.html,
+        "slow_threshold_ms": args.slow_threshold_ms,
+        "route": args.route,
+    }
+    if args.clickhouse is None:
+        given = [f"--{name.replace('_', '-')}" for name in CLICKHOUSE_ONLY if getattr(args, name) is not None]
+        if given:
+            parser.error(f"only with --clickhouse: {', '.join(given)}")
+        if not args.paths:
+            parser.error("report: give trace files or directories, or --clickhouse URL")
+        return run_report(args.paths, **common)
+    if args.paths:
+        parser.error("report: give trace files or --clickhouse URL, not both")
+    return run_clickhouse_report(
+        args.clickhouse,
+        database=args.database,
+        table=args.traces_table,
+        since=args.since,
+        until=args.until,
+        service=args.service,
+        group_by=args.group_by,
+        **common,
     )
 
 

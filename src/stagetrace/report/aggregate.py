@@ -21,6 +21,12 @@ class StageSummary:
     traces: int = 0
     bottleneck: int = 0
 
+    def merge(self, other: StageSummary) -> None:
+        self.latency.merge(other.latency)
+        self.share_sum += other.share_sum
+        self.traces += other.traces
+        self.bottleneck += other.bottleneck
+
 
 @dataclass
 class BatchSummary:
@@ -30,6 +36,11 @@ class BatchSummary:
     size: QuantileSketch = field(default_factory=QuantileSketch)
     fill: QuantileSketch = field(default_factory=QuantileSketch)
 
+    def merge(self, other: BatchSummary) -> None:
+        self.executions += other.executions
+        self.size.merge(other.size)
+        self.fill.merge(other.fill)
+
 
 @dataclass
 class BatchWaitSummary:
@@ -38,6 +49,11 @@ class BatchWaitSummary:
     requests: int = 0
     formation: QuantileSketch = field(default_factory=QuantileSketch)
     busy: QuantileSketch = field(default_factory=QuantileSketch)
+
+    def merge(self, other: BatchWaitSummary) -> None:
+        self.requests += other.requests
+        self.formation.merge(other.formation)
+        self.busy.merge(other.busy)
 
 
 @dataclass(order=True)
@@ -50,7 +66,8 @@ class _Slow:
 
 class Aggregator:
     """Feed verdicts (with an optional waterfall: spans as dicts with name, start_ms, end_ms, depth, kind);
-    read ``summary()``."""
+    read ``summary()``. Aggregators of parts of the data ``merge`` into the aggregator of the whole; a loader
+    that aggregates elsewhere (``report.fleet``: SQL in ClickHouse) fills the same fields from its counts."""
 
     def __init__(self, keep_slowest: int = 10) -> None:
         self.traces = 0
@@ -73,9 +90,7 @@ class Aggregator:
         self.total.add(verdict.total_ms)
         total = verdict.total_ms or 0.0
         for name, ms in verdict.breakdown.items():
-            s = self.stages.get(name)
-            if s is None:
-                s = self.stages[name] = StageSummary(kind=verdict.stage_kinds.get(name, "cpu"))
+            s = self.stage(name, verdict.stage_kinds.get(name, "cpu"))
             s.latency.add(ms)
             s.traces += 1
             s.share_sum += min(1.0, ms / total) if total > 0 else 0.0
@@ -88,12 +103,42 @@ class Aggregator:
             self.messages.setdefault(d.code, d.message)
         if verdict.gpu_utilization is not None:
             self.gpu_utilization.add(verdict.gpu_utilization)
+        self.keep_if_slowest(verdict, waterfall)
+
+    def stage(self, name: str, kind: str = "cpu") -> StageSummary:
+        """The summary of one stage, created (with its kind) the first time the stage is seen."""
+        s = self.stages.get(name)
+        if s is None:
+            s = self.stages[name] = StageSummary(kind=kind)
+        return s
+
+    def keep_if_slowest(self, verdict: Verdict, waterfall: list[dict[str, Any]] | None) -> None:
+        """Offer a trace to the slowest list without counting it (``add`` counts and offers)."""
         self._seq += 1
         item = _Slow(verdict.total_ms, self._seq, verdict, waterfall or [])
         if len(self._slowest) < self._keep:
             heapq.heappush(self._slowest, item)
         elif item.total_ms > self._slowest[0].total_ms:
             heapq.heapreplace(self._slowest, item)
+
+    def merge(self, other: Aggregator) -> None:
+        """Add another aggregator's traces (e.g. one group's) to this one; sketches merge exactly."""
+        self.traces += other.traces
+        self.slow_traces += other.slow_traces
+        for name, s in other.stages.items():
+            self.stage(name, s.kind).merge(s)
+        self.bottlenecks.update(other.bottlenecks)
+        self.diagnoses.update(other.diagnoses)
+        for code, message in other.messages.items():
+            self.messages.setdefault(code, message)
+        self.total.merge(other.total)
+        self.gpu_utilization.merge(other.gpu_utilization)
+        for name, b in other.batches.items():
+            self.batches.setdefault(name, BatchSummary()).merge(b)
+        for name, w in other.batch_waits.items():
+            self.batch_waits.setdefault(name, BatchWaitSummary()).merge(w)
+        for slow in other._slowest:
+            self.keep_if_slowest(slow.verdict, slow.waterfall)
 
     def add_batch(self, name: str, size: int, fill: float | None) -> None:
         """One execution of a dynamic batcher (a batch trace, which has no verdict of its own)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import textwrap
+from collections.abc import Mapping
 from typing import Any
 
 from stagetrace.conventions import UNTRACKED
@@ -28,7 +29,10 @@ def _table(headers: list[str], rows: list[list[str]], align: str) -> str:
     return "\n".join([fmt(headers), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
 
 
-def text_report(summary: dict[str, Any], title: str = "stagetrace") -> str:
+def text_report(
+    summary: dict[str, Any], title: str = "stagetrace", groups: Mapping[str, dict[str, Any]] | None = None
+) -> str:
+    """The terminal report; with ``groups`` (group value -> that group's summary) a comparison follows."""
     n = summary["traces"]
     out = [
         f"{title}: {n} traces, {summary['slow_traces']} slow ({summary['slow_traces'] / n:.0%})"
@@ -70,10 +74,103 @@ def text_report(summary: dict[str, Any], title: str = "stagetrace") -> str:
     if not summary["diagnoses"]:
         out.append("  none fired")
     for code, count in summary["diagnoses"].items():
-        out.append(f"  {code}  {count} traces ({count / n:.0%}), e.g. {summary['examples'].get(code, '')}")
+        example = f"{summary['examples'].get(code, '')}{_trace_note(summary, code)}"
+        out.append(f"  {code}  {count} traces ({count / n:.0%}), e.g. {example}")
         for line in textwrap.wrap(summary["advice"].get(code, ""), 100):
             out.append(f"      {line}")
+    if groups:
+        out += comparison_lines(groups, summary.get("group_by", "group"))
     return "\n".join(out)
+
+
+# --- comparison across groups (the ClickHouse report's --group-by) --------------------------------------
+
+GROUP_HEADERS = ["traces", "slow", "p50 ms", "p99 ms", "top bottleneck", "top diagnosis", "slowest trace"]
+MAX_GROUP_COLUMNS = 8  # stage tables with more groups than this are left to the HTML page and --json
+
+
+def group_label(value: str) -> str:
+    return value if value else "(none)"
+
+
+def _top(counts: Mapping[str, int], n: int) -> str:
+    if not counts or not n:
+        return "-"
+    name, count = max(counts.items(), key=lambda item: (item[1], item[0]))
+    return f"{name} {count / n:.0%}"
+
+
+def group_rows(groups: Mapping[str, dict[str, Any]]) -> list[list[str]]:
+    """One row per group: size, slow share, latency, the bottleneck and diagnosis most often seen, and the
+    slowest trace to open."""
+    rows = []
+    for value, g in groups.items():
+        n = g["traces"]
+        rows.append(
+            [
+                group_label(value),
+                str(n),
+                f"{g['slow_traces'] / n:.0%}" if n else "-",
+                f"{g['total_ms']['p50']:.1f}",
+                f"{g['total_ms']['p99']:.1f}",
+                _top(g["bottlenecks"], n),
+                _top(g["diagnoses"], n),
+                g.get("slowest_trace") or "-",
+            ]
+        )
+    return rows
+
+
+def stage_p99_rows(groups: Mapping[str, dict[str, Any]], stages: list[str]) -> list[list[str]]:
+    """p99 of each stage (rows) in each group (columns); '-' where a group never ran the stage."""
+    return [
+        [stage] + [f"{g['stages'][stage]['p99_ms']:.2f}" if stage in g["stages"] else "-" for g in groups.values()]
+        for stage in stages
+    ]
+
+
+def diagnosis_rows(groups: Mapping[str, dict[str, Any]]) -> list[list[str]]:
+    """Share of each group's traces with each diagnosis."""
+    codes = sorted({code for g in groups.values() for code in g["diagnoses"]})
+    return [
+        [code] + [f"{g['diagnoses'].get(code, 0) / g['traces']:.0%}" if g["traces"] else "-" for g in groups.values()]
+        for code in codes
+    ]
+
+
+def _stage_order(groups: Mapping[str, dict[str, Any]]) -> list[str]:
+    seen: dict[str, None] = {}
+    for g in groups.values():
+        seen.update(dict.fromkeys(g["stages"]))
+    return list(seen)
+
+
+def comparison_lines(groups: Mapping[str, dict[str, Any]], group_by: str) -> list[str]:
+    out = ["", f"By {group_by} ({len(groups)} group{'s' if len(groups) != 1 else ''})"]
+    out.append(_table([group_by, *GROUP_HEADERS], group_rows(groups), "lrrrrlll"))
+    labels = [group_label(v) for v in groups]
+    if len(groups) > MAX_GROUP_COLUMNS:
+        out.append(f"  (p99 by stage and diagnoses by group: {len(groups)} groups, see --html or --json)")
+        return out
+    out += ["", f"Stage p99 ms by {group_by}"]
+    out.append(_table(["stage", *labels], stage_p99_rows(groups, _stage_order(groups)), "l" + "r" * len(labels)))
+    rows = diagnosis_rows(groups)
+    if rows:
+        out += ["", f"Diagnoses (share of traces) by {group_by}"]
+        out.append(_table(["diagnosis", *labels], rows, "l" + "r" * len(labels)))
+    return out
+
+
+def comparison_html(groups: Mapping[str, dict[str, Any]], group_by: str) -> str:
+    labels = [group_label(v) for v in groups]
+    parts = [f"<h2>By {_esc(group_by)}</h2>", _html_table("groups", [group_by, *GROUP_HEADERS], group_rows(groups))]
+    parts.append(f"<h3>Stage p99 ms by {_esc(group_by)}</h3>")
+    parts.append(_html_table("group-stages", ["stage", *labels], stage_p99_rows(groups, _stage_order(groups))))
+    rows = diagnosis_rows(groups)
+    if rows:
+        parts.append(f"<h3>Diagnoses (share of traces) by {_esc(group_by)}</h3>")
+        parts.append(_html_table("group-diagnoses", ["diagnosis", *labels], rows))
+    return "".join(parts)
 
 
 def batch_rows(summary: dict[str, Any]) -> tuple[list[list[str]], list[list[str]]]:
@@ -144,6 +241,11 @@ def _bar_svg(items: list[tuple[str, float, str]], width: int = 640, bar_h: int =
     return "".join(parts)
 
 
+def _trace_note(summary: dict[str, Any], code: str) -> str:
+    trace = summary.get("example_traces", {}).get(code)
+    return f" (trace {trace})" if trace else ""
+
+
 def _waterfall_svg(spans: list[dict[str, Any]], width: int = 900) -> str:
     if not spans:
         return "<p>No spans kept for this trace.</p>"
@@ -180,7 +282,13 @@ td,th{padding:4px 10px;border-bottom:1px solid #eee;text-align:right} td:first-c
 """
 
 
-def html_report(summary: dict[str, Any], slowest: list[tuple[Any, list[dict[str, Any]]]], title: str) -> str:
+def html_report(
+    summary: dict[str, Any],
+    slowest: list[tuple[Any, list[dict[str, Any]]]],
+    title: str,
+    groups: Mapping[str, dict[str, Any]] | None = None,
+) -> str:
+    """The self-contained page; with ``groups`` (group value -> summary) the comparison across them."""
     n = summary["traces"] or 1
     t = summary["total_ms"]
     stages = summary["stages"]
@@ -230,9 +338,11 @@ def html_report(summary: dict[str, Any], slowest: list[tuple[Any, list[dict[str,
     for code, count in summary["diagnoses"].items():
         body.append(
             f'<p><span class="code">{_esc(code)}</span> in {count} traces ({count / n:.0%}): '
-            f"{_esc(summary['examples'].get(code, ''))}</p>"
+            f"{_esc(summary['examples'].get(code, ''))}{_esc(_trace_note(summary, code))}</p>"
             f'<p class="advice">{_esc(summary["advice"].get(code, ""))}</p>'
         )
+    if groups:
+        body.append(comparison_html(groups, summary.get("group_by", "group")))
     body.append("<h2>Slowest traces</h2>")
     for verdict, spans in slowest:
         codes = ", ".join(verdict.diagnosis_codes) or "no diagnosis"

@@ -1,9 +1,27 @@
 """A log-bucketed quantile sketch: constant memory per stage however many traces are read, relative error
-bounded by the bucket growth factor (1% here), mergeable."""
+bounded by the bucket growth factor (1% here), mergeable.
+
+The bucket of a value is a plain formula (``bucket_key``), so a database can bucket values itself and send
+back only the counts (``add_bucket``): the ClickHouse report and the file report then read their quantiles
+through the same code, from the same buckets."""
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
+
+# Values at or below this count as zero (a stage that took no time): they have no logarithm.
+ZERO_BELOW = 1e-9
+
+
+class Bucket(NamedTuple):
+    """``n`` values counted elsewhere into one bucket: ``key`` None for the zeros, else ``bucket_key(value)``."""
+
+    key: int | None
+    n: int
+    total: float
+    low: float
+    high: float
 
 
 class QuantileSketch:
@@ -22,16 +40,51 @@ class QuantileSketch:
         self.min = math.inf
         self.max = -math.inf
 
+    @property
+    def log_gamma(self) -> float:
+        """The divisor of the bucket formula, for code that buckets values outside Python (SQL)."""
+        return self._log_gamma
+
+    def bucket_key(self, value: float) -> int | None:
+        return None if value <= ZERO_BELOW else math.ceil(math.log(value) / self._log_gamma)
+
     def add(self, value: float) -> None:
+        # inline (no Bucket record): the file report calls this for every stage of every trace
         self.count += 1
         self.sum += value
         self.min = min(self.min, value)
         self.max = max(self.max, value)
-        if value <= 1e-9:
+        if value <= ZERO_BELOW:
             self.zeros += 1
             return
         key = math.ceil(math.log(value) / self._log_gamma)
         self._buckets[key] = self._buckets.get(key, 0) + 1
+
+    def add_bucket(self, bucket: Bucket) -> None:
+        """Count ``bucket.n`` values already bucketed (by ``bucket_key``'s formula) with their sum and
+        extremes: what a database sends back instead of the values."""
+        if bucket.n <= 0:
+            return
+        self.count += bucket.n
+        self.sum += bucket.total
+        self.min = min(self.min, bucket.low)
+        self.max = max(self.max, bucket.high)
+        if bucket.key is None:
+            self.zeros += bucket.n
+        else:
+            self._buckets[bucket.key] = self._buckets.get(bucket.key, 0) + bucket.n
+
+    def merge(self, other: QuantileSketch) -> None:
+        """Add another sketch's values (same ``alpha``): sketches of groups make the sketch of the whole."""
+        if other.alpha != self.alpha:
+            raise ValueError(f"cannot merge sketches of different accuracy ({other.alpha} into {self.alpha})")
+        self.count += other.count
+        self.zeros += other.zeros
+        self.sum += other.sum
+        self.min = min(self.min, other.min)
+        self.max = max(self.max, other.max)
+        for key, n in other._buckets.items():
+            self._buckets[key] = self._buckets.get(key, 0) + n
 
     def quantile(self, q: float) -> float:
         if not self.count:
