@@ -32,6 +32,10 @@ SVC = 'job=~"$service"'
 STAGE = "stagetrace_stage_duration_milliseconds"
 TRACE = "stagetrace_trace_duration_milliseconds"
 BATCH_SIZE = "stagetrace_batch_size"
+FIRST_CHUNK = "stagetrace_stream_first_chunk_duration_milliseconds"
+CHUNK_GAP = "stagetrace_stream_chunk_gap_milliseconds"
+GEN_AI_TTFT = "gen_ai_server_time_to_first_token_seconds"
+GEN_AI_TPOT = "gen_ai_server_time_per_output_token_seconds"
 BATCH_FILL = "stagetrace_batch_fill(_ratio)?"  # unit "1": the Collector adds _ratio, the Python exporter does not
 RATE = "$__rate_interval"
 JAEGER_SLOW_SEARCH = "http://127.0.0.1:16686/search?service=${service}&tags=%7B%22stagetrace.slow%22%3A%22true%22%7D"
@@ -283,6 +287,73 @@ def build() -> dict:
             unit="percentunit",
             description="Mean fill of each batcher's executions, where the batcher's max size is given. A low fill "
             "while requests wait in the batch queue means the batcher, not the GPU, limits throughput.",
+        ),
+        panel(
+            15,
+            "Streams: time to first chunk p50 / p99, by the stage that dominated it",
+            "timeseries",
+            (0, 46, 12, 8),
+            [
+                target(
+                    f"histogram_quantile({q}, sum by (le, stagetrace_stream_first_chunk_bottleneck) "
+                    f"(rate({FIRST_CHUNK}_bucket{{{SEL}}}[{RATE}])))",
+                    f"p{int(q * 100)} {{{{stagetrace_stream_first_chunk_bottleneck}}}}",
+                    ref,
+                    exemplar=True,
+                )
+                for q, ref in ((0.5, "A"), (0.99, "B"))
+            ],
+            unit="ms",
+            description="Streamed responses: the root's start to the first body chunk handed to the server, by "
+            "stagetrace.stream.first_chunk.bottleneck (the stage with the most time before it).",
+        ),
+        panel(
+            16,
+            "Streams: gap between chunks p99, by the stage that dominated the gaps",
+            "timeseries",
+            (12, 46, 12, 8),
+            [
+                target(
+                    "histogram_quantile(0.99, sum by (le, stagetrace_stream_gap_bottleneck) "
+                    f"(rate({CHUNK_GAP}_bucket{{{SEL}}}[{RATE}])))",
+                    "p99 {{stagetrace_stream_gap_bottleneck}}",
+                )
+            ],
+            unit="ms",
+            description="Every gap between consecutive chunks, by stagetrace.stream.gap.bottleneck. A CPU stage "
+            "here (detokenize, JSON) rather than the model's step: STREAM_CPU_BOUND.",
+        ),
+        panel(
+            17,
+            "Streams: chunks / s",
+            "timeseries",
+            (0, 54, 12, 8),
+            [
+                target(
+                    f"sum(rate({CHUNK_GAP}_count{{{SEL}}}[{RATE}])) + sum(rate({FIRST_CHUNK}_count{{{SEL}}}[{RATE}]))",
+                    "chunks/s",
+                )
+            ],
+            unit="short",
+            description="Body chunks (tokens, frames) sent a second: each stream's first chunk and every gap after it.",
+        ),
+        panel(
+            18,
+            "GenAI: time to first token and per output token p99",
+            "timeseries",
+            (12, 54, 12, 8),
+            [
+                target(
+                    "histogram_quantile(0.99, sum by (le, gen_ai_request_model) "
+                    f"(rate({metric}_bucket{{{SVC}}}[{RATE}])))",
+                    f"{label} {{{{gen_ai_request_model}}}}",
+                    ref,
+                )
+                for metric, label, ref in ((GEN_AI_TTFT, "TTFT p99", "A"), (GEN_AI_TPOT, "TPOT p99", "B"))
+            ],
+            unit="s",
+            description="OpenTelemetry's GenAI server metrics, for requests that said what they serve "
+            "(stagetrace.generation()).",
         ),
     ]
     return {

@@ -14,6 +14,7 @@ from opentelemetry.sdk.resources import Resource
 from stagetrace import conventions as c
 from stagetrace.analysis import Verdict
 from stagetrace.analysis.diagnosis import Diagnosis
+from stagetrace.analysis.streams import GapHistogram, StreamSummary
 from stagetrace.exporter.aggregation import AggregatedMetrics
 from stagetrace.exporter.metrics import INSTRUMENTS, SdkInstruments
 
@@ -40,10 +41,27 @@ def verdict(i: int, **changes: Any) -> Verdict:
     return Verdict(**fields)
 
 
+def stream(i: int) -> StreamSummary:
+    """A stream whose gaps sit on bucket edges (1 ms), so that the SDK's one-value-at-a-time recording of
+    a merged histogram (each value at its bucket's upper edge) aggregates exactly what the counts say."""
+    gaps = 5 + i
+    counts = [0] * (len(c.MS_BUCKETS) + 1)
+    counts[c.MS_BUCKETS.index(1)] = gaps
+    return StreamSummary(
+        chunks=gaps + 1, first_chunk_ms=2.0 + i, streaming_ms=float(gaps), gap_p50_ms=1.0, gap_p99_ms=1.0,
+        gap_max_ms=1.0, send_wait_ms=0.0, disconnected=i % 4 == 3, first_chunk_bottleneck="decode",
+        gap_bottleneck="infer", first_chunk_breakdown={}, gap_breakdown={},
+        gaps=GapHistogram(tuple(counts), float(gaps), 1.0, 1.0),
+    )  # fmt: skip
+
+
 def feed(sink: Any, rounds: range) -> None:
     for i in rounds:
         exemplar = (0x1000 + i, 0x2000 + i) if i % 2 == 0 else None  # kept traces only
         sink.record_trace(verdict(i), exemplar)
+        if i % 2:  # a streamed response of a generative model
+            gen_ai = {c.GEN_AI_REQUEST_MODEL: "m", c.GEN_AI_OPERATION: "chat"}
+            sink.record_trace(verdict(i, stream=stream(i), gen_ai=gen_ai, route="/gen"), exemplar)
         sink.record_stage("late", "cpu", 0.7 * i, None)
         sink.record_batch("infer", 1 + i % 9, (1 + i % 9) / 8 if i % 3 else None)
         sink.dropped("channel_full", i % 3)

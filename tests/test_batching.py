@@ -457,3 +457,70 @@ def test_batch_spans_chunks_links():
     assert sp.batch_spans(wire.replace_span(root, links=links[:5]), lambda: 1) == [
         wire.replace_span(root, links=links[:5])
     ]
+
+
+def test_continuous_batching_folds_each_members_steps_with_exact_totals(make_harness):
+    """A decode step run as batch() over the sequences in it, a thousand steps a generation: each member keeps
+    its first few memberships whole and one composite wait and one composite 'decode' stage for the rest,
+    whose totals are exactly the batch runs it lived; the request holds O(1) for its steps."""
+    from stagetrace.settings import KEEP_REPEATS
+
+    h = make_harness()
+    tracer = h.tracer
+    steps = 1000
+    lived: dict[int, list[tuple[float, float]]] = defaultdict(list)  # trace id -> its batches' (inside, around) s
+    held: dict[int, int] = {}
+
+    async def main() -> None:
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def worker() -> None:
+            while True:
+                items = [await q.get()]
+                while not q.empty():
+                    items.append(q.get_nowait())
+                before = time.perf_counter()
+                with stagetrace.batch("decode", [t for t, _, _ in items], max_size=4, kind="gpu"):
+                    inside = time.perf_counter()
+                    with stagetrace.stage("forward", kind="gpu"):
+                        time.sleep(0.0002)
+                    inside_end = time.perf_counter()
+                after = time.perf_counter()
+                for _, trace_id, fut in items:
+                    lived[trace_id].append((inside_end - inside, after - before))
+                    fut.set_result(None)
+
+        async def generation() -> None:
+            with tracer.start_as_current_span("generate") as span:
+                trace_id = span.get_span_context().trace_id
+                for _ in range(steps):
+                    fut = asyncio.get_running_loop().create_future()
+                    await q.put((stagetrace.enqueue("decode.queue"), trace_id, fut))
+                    await fut
+                record = stagetrace._state.runtime.lookup_trace(trace_id)
+                held[trace_id] = len(record.memberships) + len(record.stages)
+
+        task = asyncio.create_task(worker())
+        await asyncio.gather(*(generation() for _ in range(3)))
+        task.cancel()
+
+    asyncio.run(main())
+    verdicts = {int(v.trace_id, 16): v for v in h.wait_verdicts(3)}
+    assert set(verdicts) == set(lived)
+    spans = h.spans()
+    for trace_id, runs in lived.items():
+        assert len(runs) == steps
+        assert held[trace_id] <= 2 * KEEP_REPEATS + 2  # its kept memberships and two composites, not a ticket a step
+        v = verdicts[trace_id]
+        # every step's run counted once, as the member lived it: between the time inside each batch's block and
+        # the time around it (the composite's sum and the whole ones')
+        inner, outer = (sum(run[i] for run in runs) * 1e3 for i in (0, 1))
+        assert inner <= v.breakdown["decode"] <= outer
+        own = [s for s in spans if s.context.trace_id == trace_id]
+        assert len(own) < 30, len(own)
+        (run,) = [s for s in own if s.name == "decode" and c.COMPRESSED_COUNT in s.attributes]
+        assert run.attributes[c.COMPRESSED_COUNT] == steps - KEEP_REPEATS
+        (wait,) = [s for s in own if s.name == "decode.queue" and c.COMPRESSED_COUNT in s.attributes]
+        assert wait.attributes[c.COMPRESSED_COUNT] == steps - KEEP_REPEATS
+        whole = [s for s in own if s.name == "decode" and c.COMPRESSED_COUNT not in s.attributes]
+        assert len(whole) == KEEP_REPEATS and all(s.attributes.get(c.BATCH_ID) for s in whole)

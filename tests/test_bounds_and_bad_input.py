@@ -67,13 +67,28 @@ def test_leaked_roots_are_evicted_on_the_helpers_sweep(make_harness):
 
 
 def test_stages_per_trace_are_capped(make_harness):
+    """Past the cap a stage is dropped and counted; a name that repeats folds into its composite, so 50
+    occurrences of one name take four records and stay under it."""
     h = make_harness(settings=Settings(max_stages_per_trace=10))
     with stagetrace.pipeline("p"):
-        for _ in range(50):
-            with stagetrace.stage("tok"):
+        for i in range(50):
+            with stagetrace.stage(f"tok{i}"):
                 pass
-    assert len(h.by_name("tok")) == 10
+    assert len([s for s in h.spans() if s.name.startswith("tok")]) == 10
     assert dropped(h, "stages_per_trace") == 40
+    with stagetrace.pipeline("p"):
+        for _ in range(50):
+            with stagetrace.stage("again"):
+                pass
+    assert dropped(h, "stages_per_trace") == 40
+    assert (
+        sum(
+            s.attributes.get(c.COMPRESSED_COUNT, 1)
+            for s in h.by_name("again")
+            if "stagetrace.compressed.slowest" not in s.attributes
+        )
+        == 50
+    )
 
 
 def test_a_full_hand_off_queue_drops_and_counts_and_never_blocks(make_harness):

@@ -7,6 +7,7 @@ import pytest
 from conftest import rules_that_cannot_fire
 from stagetrace.analysis import BatchInfo, DiagnosisThresholds, StageSample, TraceSignals, analyse_trace, diagnose
 from stagetrace.analysis.diagnosis import ADVICE, RULE_CODES
+from stagetrace.analysis.streams import StreamSummary
 
 MS = 1_000_000
 
@@ -117,7 +118,26 @@ def firing_cases():
         "UNTRACKED_TIME": ([cpu("t", 0, 5)], TraceSignals()),
         "BATCH_WAIT": (batch_member(formation=60, busy=0), TraceSignals()),
         "BATCH_UNDERFILLED": (batch_member(formation=5, busy=30, items=2, gpu_ms=8), TraceSignals()),
+        "STREAM_CPU_BOUND": (STREAM_STAGES, TraceSignals(stream=streamed())),
+        "SLOW_CONSUMER": (STREAM_STAGES, TraceSignals(stream=streamed(send_wait_ms=40.0))),
+        "STREAM_STALL": (STREAM_STAGES, TraceSignals(stream=streamed(gap_max_ms=150.0))),
     }
+
+
+# A stream: a GPU decode step and a CPU detokenize per chunk, the latter the larger.
+STREAM_STAGES = [StageSample("decode", "gpu", 10 * MS, 40 * MS), cpu("detokenize", 40, 95)]
+
+
+def streamed(**changes):
+    fields = dict(
+        chunks=21, first_chunk_ms=10.0, streaming_ms=85.0, gap_p50_ms=4.0, gap_p99_ms=5.0, gap_max_ms=5.0,
+        send_wait_ms=0.0, disconnected=False, first_chunk_bottleneck=None, gap_bottleneck="detokenize",
+        first_chunk_breakdown={}, gap_breakdown={"decode": 30.0, "detokenize": 55.0}, gaps=None,
+    )  # fmt: skip
+    fields.update(changes)
+    if changes:  # a consumer or a stall alone: the CPU stage no larger than the model's step
+        fields["gap_breakdown"] = {"decode": 50.0, "detokenize": 35.0}
+    return StreamSummary(**fields)
 
 
 @pytest.mark.parametrize("code", RULE_CODES)

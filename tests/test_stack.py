@@ -352,6 +352,20 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
                 pass
         return {}
 
+    @app.get("/generate")
+    def generate():
+        from fastapi.responses import StreamingResponse
+
+        stagetrace.generation("tiny-gpt", provider="local")
+
+        def tokens():
+            for i in range(10):
+                with stagetrace.stage("decode_step"):
+                    time.sleep(0.001)
+                yield f"data: {i}\n\n"
+
+        return StreamingResponse(tokens(), media_type="text/event-stream")
+
     @app.get("/churn/{i}")
     def churn(i: int):
         with stagetrace.stage(f"dynamic-{i}"):  # too many distinct stage names: counted as dropped
@@ -368,6 +382,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
                 while not stop.is_set():
                     await c.get("/predict")
                     await c.get("/batched")
+                    await c.get("/generate")
                     await c.get(f"/churn/{i % 12}")
                     i += 1
                     await asyncio.sleep(0.01)

@@ -17,6 +17,7 @@ from stagetrace._version import __version__
 from stagetrace.analysis import Diagnosis, DiagnosisThresholds, Verdict
 from stagetrace.capture.batch import Ticket, batch, enqueue
 from stagetrace.capture.stage import current_stage, pipeline, stage
+from stagetrace.capture.streams import generation
 from stagetrace.profiler import InferencePipelineProfiler
 from stagetrace.settings import Settings
 from stagetrace.setup import StagetraceHandle, configure
@@ -35,6 +36,7 @@ __all__ = [
     "current_stage",
     "d2h",
     "enqueue",
+    "generation",
     "gpu_stage",
     "h2d",
     "instrument_fastapi",
@@ -49,7 +51,9 @@ def __getattr__(name: str) -> Any:
     if name in ("gpu_stage", "h2d", "d2h"):
         from stagetrace.capture import gpu
 
-        return getattr(gpu, name)
+        for each in ("gpu_stage", "h2d", "d2h"):  # once: the module's __getattr__ is not asked again
+            globals()[each] = getattr(gpu, each)
+        return globals()[name]
     if name == "instrument_fastapi":
         from stagetrace.integrations.fastapi import instrument_fastapi
 

@@ -79,6 +79,12 @@ METRIC_GPU_UTILIZATION = "stagetrace.gpu.utilization"
 METRIC_DROPPED = "stagetrace.dropped"
 METRIC_BATCH_SIZE = "stagetrace.batch.size"
 METRIC_BATCH_FILL = "stagetrace.batch.fill"
+METRIC_STREAM_FIRST_CHUNK = "stagetrace.stream.first_chunk.duration"
+METRIC_STREAM_CHUNK_GAP = "stagetrace.stream.chunk_gap"
+# OpenTelemetry's GenAI server metrics (seconds), for requests that say they serve a generative model
+METRIC_GEN_AI_TTFT = "gen_ai.server.time_to_first_token"
+METRIC_GEN_AI_TPOT = "gen_ai.server.time_per_output_token"
+METRIC_GEN_AI_REQUEST_DURATION = "gen_ai.server.request.duration"
 
 # metric attribute keys beyond the span ones
 HTTP_ROUTE = "http.route"
@@ -90,6 +96,18 @@ HW_ID = "hw.id"
 
 # Signals measured per stage: (field of the stage record / StageSample, span attribute, value type). The
 # exporter writes those that were measured; the report reads them back into StageSample by the same table.
+# Bucket edges in ms for the latency histograms: request pipelines live between ~0.1 ms stages and
+# multi-second slow traces. A stream's gaps are counted on them where they happen (capture/streams.py).
+MS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 200, 300, 500, 750, 1000, 1500, 2500, 5000, 10000)
+
+# A composite stage: the occurrences of a repeated stage folded into one span (after the first few, which
+# stay spans of their own), and the slowest of them kept whole as a span marked as the example.
+COMPRESSED_COUNT = "stagetrace.compressed.count"
+COMPRESSED_SUM_MS = "stagetrace.compressed.sum_ms"
+COMPRESSED_MIN_MS = "stagetrace.compressed.min_ms"
+COMPRESSED_MAX_MS = "stagetrace.compressed.max_ms"
+COMPRESSED_SLOWEST = "stagetrace.compressed.slowest"
+
 STAGE_SIGNALS: tuple[tuple[str, str, type], ...] = (
     ("cpu_ms", CPU_MS, float),
     ("blocked_ms", BLOCKED_MS, float),
@@ -102,6 +120,43 @@ STAGE_SIGNALS: tuple[tuple[str, str, type], ...] = (
     ("gpu_utilization", GPU_UTILIZATION, float),
     ("queue_saturated", QUEUE_SATURATED, bool),
 )
+
+# A streamed response on its local root: (StreamSummary field, span attribute, value type, digits kept).
+STREAM_CHUNKS = "stagetrace.stream.chunks"
+STREAM_FIRST_CHUNK_MS = "stagetrace.stream.first_chunk_ms"
+STREAM_FIRST_CHUNK_BOTTLENECK = "stagetrace.stream.first_chunk.bottleneck"  # also on the stream metrics
+STREAM_GAP_BOTTLENECK = "stagetrace.stream.gap.bottleneck"
+STREAM_FIELDS: tuple[tuple[str, str, type, int | None], ...] = (
+    ("chunks", STREAM_CHUNKS, int, None),
+    ("first_chunk_ms", STREAM_FIRST_CHUNK_MS, float, 3),
+    ("streaming_ms", "stagetrace.stream.duration_ms", float, 3),  # the first chunk to the last
+    ("gap_p50_ms", "stagetrace.stream.gap_p50_ms", float, 3),
+    ("gap_p99_ms", "stagetrace.stream.gap_p99_ms", float, 3),
+    ("gap_max_ms", "stagetrace.stream.gap_max_ms", float, 3),
+    ("send_wait_ms", "stagetrace.stream.send_wait_ms", float, 3),
+    ("first_chunk_bottleneck", STREAM_FIRST_CHUNK_BOTTLENECK, str, None),
+    ("gap_bottleneck", STREAM_GAP_BOTTLENECK, str, None),
+)
+ERROR_TYPE = "error.type"  # a client that went away mid-stream: "ConnectionError", as FastAPI's telemetry says
+CLIENT_DISCONNECTED = "ConnectionError"
+
+# What a request says of the generative model it serves (stagetrace.generation), and the latencies vLLM and
+# SGLang put on their request spans, in seconds, which stagetrace writes on such a request's local root.
+GEN_AI_OPERATION = "gen_ai.operation.name"
+GEN_AI_PROVIDER = "gen_ai.provider.name"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_METRIC_ATTRIBUTES = (GEN_AI_OPERATION, GEN_AI_PROVIDER, GEN_AI_REQUEST_MODEL, GEN_AI_RESPONSE_MODEL)
+GEN_AI_LATENCY_TTFT = "gen_ai.latency.time_to_first_token"
+GEN_AI_LATENCY_E2E = "gen_ai.latency.e2e"
+GEN_AI_LATENCY_QUEUE = "gen_ai.latency.time_in_queue"
+GEN_AI_LATENCY_PREFILL = "gen_ai.latency.time_in_model_prefill"
+GEN_AI_LATENCY_DECODE = "gen_ai.latency.time_in_model_decode"
+# The GenAI server metrics' bucket boundaries (seconds), as the convention specifies them.
+GEN_AI_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+GEN_AI_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+GEN_AI_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 
 # The verdict's scalar fields on the local root: (Verdict field, span attribute, value type, digits kept;
 # None: not rounded). Optional fields (None in the Verdict) are left off the span.

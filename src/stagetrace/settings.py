@@ -25,7 +25,6 @@ MIN_WAIT_NS = 500_000  # a wait for a worker shorter than this is dispatch noise
 MIN_CPU_ACCOUNTED_NS = 1_000_000  # stages shorter than this get no CPU figures (clock granularity)
 LOOP_BLOCK_MIN_NS = 1_000_000  # a sync stage on the event loop shorter than this is not recorded as holding it
 LOOP_WAIT_MIN_NS = 100_000  # stretches of an event-loop wait shorter than this are scheduling noise
-MAX_LOOP_WAIT_SPANS = 32  # event_loop.wait spans per trace, the longest kept
 # A request's wait between its arrival and its server span shorter than this is the server's own
 # scheduling (the task's first step), not a wait: the root keeps the framework's start.
 ARRIVAL_WAIT_MIN_NS = 1_000_000
@@ -38,6 +37,8 @@ GIL_MIN_SAMPLES = 3  # GIL-pressure wake-ups a trace's window needs before the p
 SIGNALS_WAIT_S = 0.3  # how long the helper thread holds a trace for the GIL sampler's first wake-up after its end
 MAX_WORKER_RUNS = 256  # runs of a request's code on worker threads kept per trace (own time, not loop wait)
 MAX_BLOCKED_BY = 8  # blocking stages named in stagetrace.blocked_by
+# Occurrences of one stage name under one parent kept as stages of their own; the rest fold into a composite.
+KEEP_REPEATS = 3
 MAX_LINKS_PER_SPAN = 128  # the SDK's default span link limit (OTEL_SPAN_LINK_COUNT_LIMIT), which backends share
 RECORDS_PER_FRAME = 32  # traces per channel frame, so that a burst is accepted or refused in pieces
 MAX_FRAME_BYTES = 64 * 2**20  # a frame claiming more is malformed

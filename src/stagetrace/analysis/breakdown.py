@@ -55,10 +55,14 @@ def analyse_trace(
     - A stage is charged its exclusive wall time: its interval minus the union of its direct child stages'
       intervals (clipped to it). A GPU stage with a CUDA-event duration is charged that GPU time instead,
       so a D2H that waited on the host for inference kernels is not blamed for the wait.
+    - A composite (``compressed``: the occurrences of a repeated stage folded into one) is charged its
+      occurrences' summed time less its children's; a stage with composite children loses their summed
+      time too. Occurrences are sequential within their parent, so their sum is their union.
     - Stages that start after the root ended (background work after the response) are not part of the
       request's latency and are left out of the breakdown.
     - Occurrences of one name add up; the breakdown is in pipeline order (first start).
-    - Untracked time is the root's duration minus the union of all stage intervals within it.
+    - Untracked time is the root's duration minus the union of all stage intervals within it (a composite
+      counts its summed time, its descendants nothing more).
     - The bottleneck is the stage with the most time, or ``untracked`` when time in no stage exceeds it (a
       headline must not name a stage that explains a sliver of the request). No stages: no bottleneck.
       ``untracked_headline=False`` keeps it among the stages (the classic profiler's report, whose callers
@@ -71,6 +75,8 @@ def analyse_trace(
     # Each stage's interval clipped to the root; None for stages after the root ended.
     clipped: list[tuple[int, int] | None] = []
     children: dict[int, list[tuple[int, int]]] = {}
+    folded_children: dict[int, int] = {}  # parent stage span id -> its composite children's summed ns
+    composites = False
     for st in stages:
         start, end = st.start_ns, st.end_ns
         if total_ns:
@@ -83,7 +89,12 @@ def analyse_trace(
                 end = root_end_ns
         iv = (start, end)
         clipped.append(iv)
-        if st.parent_stage_id:
+        folded = st.compressed
+        if folded is not None:
+            composites = True
+            if st.parent_stage_id:
+                folded_children[st.parent_stage_id] = folded_children.get(st.parent_stage_id, 0) + folded.sum_ns
+        elif st.parent_stage_id:
             siblings = children.get(st.parent_stage_id)
             if siblings is None:
                 children[st.parent_stage_id] = [iv]
@@ -102,11 +113,17 @@ def analyse_trace(
         if gpu_ms is not None and st.kind in GPU_KINDS:
             ms = gpu_ms if gpu_ms > 0 else 0.0
         else:
-            start, end = maybe_iv
-            own = end - start
-            kids = children.get(st.span_id) if children and st.span_id else None
-            if kids and own > 0:
-                own -= union_length_ns((max(a, start), min(b, end)) for a, b in kids)
+            folded = st.compressed
+            if folded is None:
+                start, end = maybe_iv
+                own = end - start
+                kids = children.get(st.span_id) if children and st.span_id else None
+                if kids and own > 0:
+                    own -= union_length_ns((max(a, start), min(b, end)) for a, b in kids)
+            else:  # its real children lie inside its occurrences, which the interval does not bound
+                own = folded.sum_ns - sum(b - a for a, b in children.get(st.span_id, ()))
+            if composites:
+                own -= folded_children.get(st.span_id, 0)
             ms = own / 1e6 if own > 0 else 0.0
         charged.append(ms)
         name = st.name
@@ -122,7 +139,10 @@ def analyse_trace(
     starts = list(first_start.values())
     if starts != sorted(starts):  # not yet in pipeline order (first starts)
         breakdown = dict(sorted(breakdown.items(), key=lambda kv: first_start[kv[0]]))
-    covered = union_length_ns(iv for iv in clipped if iv is not None)
+    if composites:
+        covered = _covered_with_composites(stages, clipped, total_ns)
+    else:
+        covered = union_length_ns(iv for iv in clipped if iv is not None)
     untracked_ms = max(0, total_ns - covered) / 1e6
     bottleneck = max(breakdown, key=breakdown.__getitem__) if breakdown else None
     bottleneck_ms = breakdown[bottleneck] if bottleneck is not None else 0.0
@@ -142,3 +162,34 @@ def analyse_trace(
         stage_kinds=kinds,
         charged_ms=tuple(charged),
     )
+
+
+def _covered_with_composites(
+    stages: Sequence[StageLike], clipped: Sequence[tuple[int, int] | None], total_ns: int
+) -> int:
+    """The root time some stage covers, where composites stand for their occurrences: the union of the
+    real stages outside any composite, plus each outermost composite's summed time (its occurrences are
+    sequential, and the real stages beside them ran at other times), at most the root's duration."""
+    by_id = {st.span_id: st for st in stages if st.span_id}
+
+    def under_composite(st: StageLike) -> bool:
+        parent, hops = st.parent_stage_id, 0
+        while parent and hops < 64:  # a malformed trace may hold a cycle
+            above = by_id.get(parent)
+            if above is None:
+                return False
+            if above.compressed is not None:
+                return True
+            parent, hops = above.parent_stage_id, hops + 1
+        return False
+
+    real: list[tuple[int, int]] = []
+    folded = 0
+    for st, iv in zip(stages, clipped):
+        if iv is None or under_composite(st):
+            continue
+        if st.compressed is not None:
+            folded += st.compressed.sum_ns
+        else:
+            real.append(iv)
+    return min(total_ns, union_length_ns(real) + folded) if total_ns else union_length_ns(real) + folded

@@ -10,7 +10,8 @@ from typing import NamedTuple, Optional
 
 from stagetrace.analysis.breakdown import TraceAnalysis
 from stagetrace.analysis.loopwait import split_blocker
-from stagetrace.analysis.model import StageLike
+from stagetrace.analysis.model import StageLike, occurrences_ms
+from stagetrace.analysis.streams import StreamSummary
 from stagetrace.conventions import EVENT_LOOP_WAIT, GPU_KINDS
 
 
@@ -62,6 +63,12 @@ class DiagnosisThresholds:
     batch_wait_min_ms: float = 10.0
     batch_underfilled_fill: float = 0.50  # batches below this share of their max size ...
     batch_underfilled_gpu_share: float = 0.50  # ... while GPU stages hold less than this of the batch's run
+    stream_min_chunks: int = 8  # the stream rules read streams of at least this many chunks
+    stream_cpu_share: float = 0.40  # a CPU stage's share of the time between chunks (STREAM_CPU_BOUND)
+    slow_consumer_share: float = 0.25  # awaiting send() as a share of the time between chunks ...
+    slow_consumer_min_ms: float = 20.0  # ... and at least this long (SLOW_CONSUMER)
+    stream_stall_factor: float = 10.0  # the longest gap at least this many times the median ...
+    stream_stall_min_ms: float = 100.0  # ... and at least this long (STREAM_STALL)
 
     @classmethod
     def silent(cls) -> DiagnosisThresholds:
@@ -81,6 +88,7 @@ class DiagnosisThresholds:
             untracked_min_ms=math.inf,
             batch_wait_min_ms=math.inf,
             batch_underfilled_fill=-1.0,
+            stream_min_chunks=1 << 62,
         )
 
 
@@ -95,6 +103,7 @@ class TraceSignals(NamedTuple):
     loop_lag_ms: float | None = None
     loop_held_ms: float | None = None  # of the worst loop stall, what work on the loop's own thread explains
     blocked_by: tuple[str, ...] = ()  # the stages that held the loop while the request waited ("<stage>@<trace id>")
+    stream: StreamSummary | None = None  # its response streamed: chunks, gaps, phases
 
 
 NO_SIGNALS = TraceSignals()
@@ -147,6 +156,21 @@ ADVICE = {
     "BATCH_WAIT": (
         "The request spent most of its time waiting for its batch to form. Shorten the batcher's max wait "
         "(or make it adaptive to the arrival rate): at this load a batch does not fill before it expires."
+    ),
+    "STREAM_CPU_BOUND": (
+        "A CPU stage runs for every chunk and outweighs the model's own step. Detokenize incrementally (only "
+        "the new tokens, not the whole sequence again), build each chunk's payload once and small, send "
+        "several tokens a chunk, and move per-chunk work off the request's path."
+    ),
+    "SLOW_CONSUMER": (
+        "The client (or a proxy between) reads slower than the stream is produced: the server's send buffer "
+        "fills and the stream waits on it. Check client and proxy buffering (nginx proxy_buffering, a client "
+        "that renders every token), send fewer, larger chunks, or pace the stream to its reader."
+    ),
+    "STREAM_STALL": (
+        "Something stopped the stream once, far beyond its usual gap: a blocked event loop (see its "
+        "event_loop.wait), a garbage-collection pause, a lock or a queue. Open the slowest occurrence of the "
+        "repeated stages (stagetrace.compressed.slowest) and what ran around that moment."
     ),
     "UNTRACKED_TIME": (
         "Most of the request's time is in no stage. Add stages (@stagetrace.stage) around the code between "
@@ -442,7 +466,7 @@ def event_loop_blocked(
     measured within the request while the process was not starved of the GIL or of CPUs."""
     on_loop = [s for s in stages if s.on_event_loop and s.kind not in GPU_KINDS and s.wall_ms >= th.event_loop_stage_ms]
     own = max(on_loop, key=lambda s: s.wall_ms) if on_loop else None
-    wait_ms = sum(s.wall_ms for s in stages if s.name == EVENT_LOOP_WAIT and s.kind == "wait")
+    wait_ms = sum(occurrences_ms(s) for s in stages if s.name == EVENT_LOOP_WAIT and s.kind == "wait")
     waited = (
         a.total_ms > 0
         and wait_ms >= th.event_loop_wait_ms
@@ -491,7 +515,7 @@ def _queued_ms(s: StageLike) -> float:
     batcher's previous batch was still running (forming the batch is BATCH_WAIT's business)."""
     if s.batch is not None and s.batch.formation_ms is not None:
         return s.batch.busy_ms or 0.0
-    return s.wall_ms
+    return occurrences_ms(s)
 
 
 def queueing(
@@ -595,6 +619,54 @@ def untracked_time(
     return _make("UNTRACKED_TIME", f"{a.untracked_ms:.1f} ms ({share:.0%}) of the request is in no stage{starved}")
 
 
+def stream_cpu_bound(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: DiagnosisThresholds) -> Finding:
+    s = sig.stream
+    if s is None or s.chunks < th.stream_min_chunks or s.streaming_ms <= 0:
+        return None
+    cpu = {n: ms for n, ms in s.gap_breakdown.items() if a.stage_kinds.get(n) == "cpu"}
+    if not cpu:
+        return None
+    name = max(cpu, key=cpu.__getitem__)
+    ms = cpu[name]
+    gpu_ms = sum(ms for n, ms in s.gap_breakdown.items() if a.stage_kinds.get(n) in GPU_KINDS)
+    share = ms / s.streaming_ms
+    if share < th.stream_cpu_share or ms <= gpu_ms:
+        return None
+    gaps = s.chunks - 1
+    model = f", more than the model's own step ({gpu_ms / gaps:.2f} ms a chunk)" if gpu_ms else ""
+    return _make(
+        "STREAM_CPU_BOUND",
+        f"{name} took {share:.0%} of the time between chunks ({ms / gaps:.2f} ms a chunk){model}",
+        name,
+    )
+
+
+def slow_consumer(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: DiagnosisThresholds) -> Finding:
+    s = sig.stream
+    if s is None or s.chunks < th.stream_min_chunks or s.streaming_ms <= 0:
+        return None
+    if s.send_wait_ms < th.slow_consumer_min_ms or s.send_wait_ms < th.slow_consumer_share * s.streaming_ms:
+        return None
+    return _make(
+        "SLOW_CONSUMER",
+        f"the stream waited {s.send_wait_ms:.1f} ms ({s.send_wait_ms / s.streaming_ms:.0%} of its "
+        f"{s.streaming_ms:.1f} ms between first and last chunk) for its client to take the chunks",
+    )
+
+
+def stream_stall(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: DiagnosisThresholds) -> Finding:
+    s = sig.stream
+    if s is None or s.chunks < th.stream_min_chunks or s.gap_max_ms is None or s.gap_p50_ms is None:
+        return None
+    if s.gap_max_ms < th.stream_stall_min_ms or s.gap_max_ms < th.stream_stall_factor * s.gap_p50_ms:
+        return None
+    return _make(
+        "STREAM_STALL",
+        f"one gap between chunks lasted {s.gap_max_ms:.1f} ms, {s.gap_max_ms / max(s.gap_p50_ms, 1e-3):.0f} "
+        f"times the stream's median gap ({s.gap_p50_ms:.2f} ms)",
+    )
+
+
 RULES: tuple[tuple[str, Rule], ...] = (
     ("GPU_STARVED", gpu_starved),
     ("PAGEABLE_H2D", pageable_h2d),
@@ -606,6 +678,9 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("QUEUEING", queueing),
     ("BATCH_WAIT", batch_wait),
     ("BATCH_UNDERFILLED", batch_underfilled),
+    ("STREAM_CPU_BOUND", stream_cpu_bound),
+    ("SLOW_CONSUMER", slow_consumer),
+    ("STREAM_STALL", stream_stall),
     ("UNTRACKED_TIME", untracked_time),
 )
 RULE_CODES = tuple(code for code, _ in RULES)

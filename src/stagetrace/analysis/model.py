@@ -34,6 +34,32 @@ class BatchInfo(NamedTuple):
         return self.link_span_id != 0
 
 
+class CompressedInfo(NamedTuple):
+    """A composite stage: the occurrences of one stage name under one parent folded into it (after the first
+    few, which stay stages of their own). Crosses the channel as a plain tuple in this order."""
+
+    occurrences: int  # folded in
+    sum_ns: int  # their time summed (each occurrence's own wall time)
+    min_ns: int
+    max_ns: int
+
+
+def compressed_info(value: Any) -> CompressedInfo | None:
+    """A shipped compressed tuple as ``CompressedInfo``; a clear error for one of the wrong shape."""
+    if value is None or isinstance(value, CompressedInfo):
+        return value
+    if not isinstance(value, tuple) or len(value) != 4 or not all(type(v) is int and v >= 0 for v in value):
+        raise ValueError("malformed compressed field")
+    return CompressedInfo(*value)
+
+
+def occurrences_ms(stage: StageLike) -> float:
+    """All its occurrences' time: a composite's summed time, any other stage's wall time (a rule summing
+    a kind of time reads this; one that judges a single stage reads ``wall_ms``, a composite's longest)."""
+    folded = stage.compressed
+    return folded.sum_ns / 1e6 if folded is not None else stage.wall_ms
+
+
 def batch_info(value: Any) -> BatchInfo | None:
     """A shipped batch tuple as ``BatchInfo``; a clear error for one of the wrong shape."""
     if value is None or isinstance(value, BatchInfo):
@@ -85,6 +111,8 @@ class StageLike(Protocol):
     def batch(self) -> BatchInfo | None: ...
     @property
     def wall_ms(self) -> float: ...
+    @property
+    def compressed(self) -> CompressedInfo | None: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -118,7 +146,12 @@ class StageSample:
     gpu_utilization: float | None = None
     queue_saturated: bool | None = None  # for wait stages: was the pool full when the request queued?
     batch: BatchInfo | None = None  # for stages of a dynamic batch
+    compressed: CompressedInfo | None = None  # a composite of repeated occurrences
+    example: bool = False  # a composite's slowest occurrence, exported beside it (never analysed)
 
     @property
     def wall_ms(self) -> float:
+        """Its time on the wall; a composite's longest occurrence (what a rule about one stage reads)."""
+        if self.compressed is not None:
+            return self.compressed.max_ns / 1e6
         return max(0, self.end_ns - self.start_ns) / 1e6

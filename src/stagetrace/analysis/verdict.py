@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from stagetrace.analysis.breakdown import TraceAnalysis
 from stagetrace.analysis.diagnosis import Diagnosis, TraceSignals
+from stagetrace.analysis.streams import StreamSummary
 from stagetrace.conventions import UNTRACKED
 
 
@@ -39,6 +41,8 @@ class Verdict:
     loop_held_ms: float | None = None
     blocked_by: tuple[str, ...] | None = None  # what held the loop while this request waited for it
     delayed_requests: int | None = None  # other requests on its loop while its own sync stages held it
+    stream: StreamSummary | None = None  # its response streamed: chunks, time to the first, gaps, phases
+    gen_ai: Mapping[str, Any] | None = None  # the generative model it served (gen_ai.* attributes), if said
 
     @property
     def bottleneck_ms(self) -> float:
@@ -61,6 +65,7 @@ def build_verdict(
     signals: TraceSignals | None = None,
     sampled: bool = True,
     delayed_requests: int | None = None,
+    gen_ai: Mapping[str, Any] | None = None,
 ) -> Verdict:
     return Verdict(
         trace_id=trace_id,
@@ -83,4 +88,6 @@ def build_verdict(
         delayed_requests=delayed_requests,
         sampled=sampled,
         stage_kinds=analysis.stage_kinds,
+        stream=signals.stream if signals else None,
+        gen_ai=gen_ai or None,
     )

@@ -16,7 +16,7 @@ from typing import Any
 
 from stagetrace import _state
 from stagetrace._safety import report_internal_error
-from stagetrace.capture.records import StageRecord
+from stagetrace.capture.records import Repeat, StageRecord
 from stagetrace.capture.stage import (
     _SPAN_KEY,
     _close_root,
@@ -31,7 +31,7 @@ from stagetrace.capture.stage import (
     validate_stage_name,
 )
 from stagetrace.conventions import BATCH_FILL, BATCH_ID, BATCH_ITEMS, BATCH_MAX_SIZE, BATCH_SIZE
-from stagetrace.settings import MAX_TRACKED_BATCHERS
+from stagetrace.settings import KEEP_REPEATS, MAX_TRACKED_BATCHERS
 
 _claim_lock = threading.Lock()
 # The latest finished run of each batcher (by name) in this process, to tell a member's wait for its
@@ -47,15 +47,63 @@ def _positive_int(value: object, what: str) -> int:
     return value
 
 
+class MembershipFold:
+    """A request's memberships of batches through one wait (its name, under one parent) past the first
+    ``KEEP_REPEATS``: continuous batching runs a batch per decode step, thousands a generation. The later
+    waits fold into one composite wait (formation and busy time summed) and the batch runs into one
+    composite stage named after the batch, with exact totals; their inner stages are not copied into the
+    member (their time is the composite's). The request holds this, not a ticket per step. Changed only
+    under the member trace's lock."""
+
+    __slots__ = ("busy_ms", "formation_ms", "kept", "parent_span_id", "parent_stage_id", "run", "run_span_id", "wait")
+
+    def __init__(self, wait: StageRecord) -> None:
+        self.kept = 0  # memberships kept whole
+        self.parent_span_id, self.parent_stage_id = wait.parent_span_id, wait.parent_stage_id
+        self.run_span_id = _getrandbits(64) or 1  # the composite run's: the batch spans link to it
+        self.wait: Repeat | None = None
+        self.run: Repeat | None = None
+        self.formation_ms = self.busy_ms = 0.0
+
+    def keeps(self) -> bool:
+        """Whether one more membership stays whole (the first ``KEEP_REPEATS`` do)."""
+        if self.kept < KEEP_REPEATS:
+            self.kept += 1
+            return True
+        return False
+
+    def add_wait(self, trace: Any, wait: StageRecord, end_ns: int, info: tuple[Any, ...]) -> None:
+        composite = self.wait
+        if composite is None:
+            composite = self.wait = Repeat.started(
+                wait.name, wait.kind, self.parent_span_id, self.parent_stage_id, _getrandbits(64) or 1
+            )
+            trace.stages.append(composite)
+        composite.add(wait.start_ns, end_ns)
+        self.formation_ms += info[8]
+        self.busy_ms += info[9]
+        composite.batch = (*info[:8], self.formation_ms, self.busy_ms)
+
+    def add_run(self, trace: Any, batch: Batch) -> None:
+        composite = self.run
+        if composite is None:
+            composite = self.run = Repeat.started(
+                batch.name, batch.kind, self.parent_span_id, self.parent_stage_id, self.run_span_id
+            )
+            trace.stages.append(composite)
+        composite.add(batch.start_ns, batch.end_ns, batch.error)
+
+
 class Ticket:
     """A request's place in a batcher's queue: put it in the queue with the request's payload and hand it
     to ``stagetrace.batch()`` on the worker. Cheap, holds no lock, and harmless when never used (the wait
     then ends with the request, marked abandoned)."""
 
-    __slots__ = ("batch", "items", "member", "used", "wait")
+    __slots__ = ("batch", "fold", "items", "member", "used", "wait")
 
     def __init__(self, wait: StageRecord | None, items: int) -> None:
         self.wait = wait  # the request's wait stage; None outside a trace or with stagetrace off
+        self.fold: MembershipFold | None = None  # set when this membership folds (past the first few)
         self.items = items
         self.used = False
         self.batch: Batch | None = None  # the batch that served it
@@ -78,7 +126,7 @@ def enqueue(name: str, items: int = 1) -> Ticket:
         if span is None or not span.get_span_context().is_valid:
             return Ticket(None, items)  # no request to attribute the batch to
         ticket = Ticket(None, items)
-        rec = enter_stage(name, "wait", ticket, sync=False)
+        rec = enter_stage(name, "wait", ticket, sync=False, foldable=False)  # batch() ends it, not exit_stage
         if rec is None:
             return ticket
         _cv_reset(rec.token)  # the wait is not the current span: the request goes on (and awaits) beside it
@@ -88,9 +136,19 @@ def enqueue(name: str, items: int = 1) -> Ticket:
         if trace is not None:
             with trace.lock:
                 if not trace.closed:
-                    if trace.memberships is None:
-                        trace.memberships = []
-                    trace.memberships.append(ticket)
+                    folds = trace.member_folds
+                    if folds is None:
+                        folds = trace.member_folds = {}
+                    key = (name, rec.parent_span_id)
+                    fold = folds.get(key)
+                    if fold is None:
+                        fold = folds[key] = MembershipFold(rec)
+                    if fold.keeps():
+                        if trace.memberships is None:
+                            trace.memberships = []
+                        trace.memberships.append(ticket)
+                    else:
+                        ticket.fold = fold
         return ticket
     except Exception:
         report_internal_error("enqueue")
@@ -104,6 +162,7 @@ class Batch:
         "_root",
         "end_ns",
         "error",
+        "folded_runs",
         "id",
         "items",
         "kind",
@@ -138,6 +197,7 @@ class Batch:
         self.start_ns = self.end_ns = 0
         self.error: tuple[str, str, str] | None = None
         self.members: list[tuple[int, int, int, str, int, int]] = []  # for the batch span's links
+        self.folded_runs: list[tuple[Any, MembershipFold]] = []  # (member trace, fold): runs to add at exit
         self.trace: Any = None  # the batch's own TraceRecord, where its stages are recorded once
         self.packed_sources: dict[int, list[Any]] = {}  # its stages packed once for all members (helper thread)
         self._root: Any = None
@@ -167,6 +227,10 @@ class Batch:
                 self.error = describe_exception(exc)
             if self.name in _last_runs or len(_last_runs) < MAX_TRACKED_BATCHERS:
                 _last_runs[self.name] = (self.start_ns, self.end_ns)
+            for trace, fold in self.folded_runs:
+                with trace.lock:
+                    if not trace.closed:
+                        fold.add_run(trace, self)
         except Exception:
             report_internal_error("batch exit")
         _close_root(self._root, exc)
@@ -196,13 +260,19 @@ class Batch:
         previous = _last_runs.get(self.name)
         for index, group in enumerate(groups):
             member_items = sum(t.items for t in group)
-            member_span_id = _getrandbits(64) or 1
+            fold = group[0].fold
+            member_span_id = fold.run_span_id if fold is not None else (_getrandbits(64) or 1)
             member = (index, member_items, member_span_id)
             joined = False
             for ticket in group:
                 joined = self._end_wait(rt, ticket, member, previous) or joined
             wait = group[0].wait
-            if joined and wait is not None and wait.trace is not None:
+            if joined and fold is not None and wait is not None:
+                # Folded into the member's composite: no link, so that a generation thousands of steps long
+                # does not keep thousands of batch traces with it (a batch no kept member links to is
+                # exported at the healthy share).
+                self.folded_runs.append((wait.trace, fold))
+            elif joined and wait is not None and wait.trace is not None:
                 state = wait.trace.trace_state
                 self.members.append(
                     (
@@ -273,6 +343,8 @@ class Batch:
                 wait.batch = info
                 ticket.member = member
                 ticket.batch = self
+                if ticket.fold is not None:
+                    ticket.fold.add_wait(trace, wait, start, info)
         if late:
             rt.metrics.dropped("batch_ticket_late")
             return False

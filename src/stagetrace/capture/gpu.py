@@ -37,6 +37,8 @@ def _gpu_start(rec: StageRecord | None, device: Any) -> None:
     trace = rec.trace
     if trace is not None and len(trace.stages) >= rec.runtime.max_stages_per_trace:
         return  # the stage will be dropped at the per-trace bound: no events to waste on it
+    if rec.repeat is not None:
+        return  # it folds into its composite with its host time: no events to read
     try:
         gpu.start(rec, gpu.backend.device_index(device) if device is not None else _default_device(gpu))
     except Exception:

@@ -13,7 +13,12 @@ from typing import Any, Protocol
 
 from opentelemetry.trace import NonRecordingSpan, SpanContext
 
-from stagetrace.settings import MAX_ATTRIBUTE_VALUE_LENGTH, MAX_OTHER_SPANS_PER_TRACE, MAX_STAGE_ATTRIBUTES
+from stagetrace.settings import (
+    KEEP_REPEATS,
+    MAX_ATTRIBUTE_VALUE_LENGTH,
+    MAX_OTHER_SPANS_PER_TRACE,
+    MAX_STAGE_ATTRIBUTES,
+)
 
 _SCALARS = (str, bool, int, float)
 
@@ -126,6 +131,9 @@ class StageRecord(SpanContextOnDemand, NonRecordingSpan):
     queue_saturated: bool | None = None
     batch: tuple[Any, ...] | None = None  # analysis.BatchInfo as a plain tuple, on stages of a batch
     gpu_resolved = False  # CUDA events already read (a batch's stage is shipped with every member)
+    repeat: Repeat | None = None  # the composite this occurrence folds into (decided at its entry)
+    compressed: tuple[int, int, int, int] | None = None  # on a composite: occurrences, summed, least, most ns
+    example = False  # the slowest of a composite's occurrences, shipped for export only
 
     def __init__(
         self,
@@ -181,6 +189,137 @@ class StageRecord(SpanContextOnDemand, NonRecordingSpan):
         return f"StageRecord({self.name!r}, kind={self.kind!r}, span_id={self.span_id:016x})"
 
 
+class Repeat:
+    """A stage name's occurrences under one parent span in one trace. The first ``KEEP_REPEATS`` stay real
+    stages; from then on every occurrence folds into this record at its exit (its time summed, the least
+    and the most kept, the slowest occurrence kept whole as an example), so a stream of any length holds
+    one record per name and parent: the composite, shipped as a stage of its own. An occurrence folds if
+    the composite existed when it began, so that its children (and their repeats) attach to the composite's
+    span id, which all its occurrences share. Changed only under the trace's lock."""
+
+    __slots__ = (
+        "batch",
+        "count",
+        "end_ns",
+        "error",
+        "folded",
+        "folding",
+        "kind",
+        "max_ns",
+        "min_ns",
+        "name",
+        "parent_span_id",
+        "parent_stage_id",
+        "slowest",
+        "span_id",
+        "start_ns",
+        "sum_ns",
+    )
+
+    # The shipped fields (handoff.wire.STAGE_FIELDS) a composite has no value for; no CUDA events of its own.
+    cpu_start = cpu_end = attributes = gpu_ms = gpu_utilization = h2d_bytes = h2d_pinned = None
+    queue_saturated = gpu = None
+    on_event_loop = False
+    example = False
+    gpu_resolved = True
+
+    def __init__(self, first: StageRecord, count: int) -> None:
+        self.name = first.name
+        self.kind = first.kind
+        self.parent_span_id = first.parent_span_id
+        self.parent_stage_id = first.parent_stage_id
+        self.count = count  # real occurrences so far
+        self.folded = 0  # occurrences folded in
+        self.folding = False
+        self.span_id = 0
+        self.start_ns = self.end_ns = self.sum_ns = self.min_ns = self.max_ns = 0
+        self.slowest: StageRecord | None = None
+        self.error: tuple[str, str, str] | None = None
+        self.batch: tuple[Any, ...] | None = None  # a folded batch wait's: its formation and busy time summed
+
+    @property
+    def compressed(self) -> tuple[int, int, int, int]:
+        return (self.folded, self.sum_ns, self.min_ns, self.max_ns)
+
+    @classmethod
+    def started(cls, name: str, kind: str, parent_span_id: int, parent_stage_id: int, span_id: int) -> Repeat:
+        """A composite that folds from its first occurrence on (one whose real occurrences are kept elsewhere,
+        as a dynamic batch's first memberships are)."""
+        self = cls.__new__(cls)
+        self.name, self.kind = name, kind
+        self.parent_span_id, self.parent_stage_id = parent_span_id, parent_stage_id
+        self.count, self.folded, self.folding, self.span_id = KEEP_REPEATS, 0, True, span_id
+        self.start_ns = self.end_ns = self.sum_ns = self.min_ns = self.max_ns = 0
+        self.slowest = None
+        self.error = None
+        self.batch = None
+        return self
+
+    def fold(self, rec: StageRecord) -> None:
+        if self.add(rec.start_ns, rec.end_ns, rec.error):
+            self.slowest = rec
+
+    def add(self, start: int, end: int, error: tuple[str, str, str] | None = None) -> bool:
+        """One occurrence folded in; True when it is the slowest so far."""
+        ns = end - start if end > start else 0
+        self.folded += 1
+        if self.folded == 1:
+            self.start_ns, self.min_ns = start, ns
+        self.sum_ns += ns
+        if end > self.end_ns:
+            self.end_ns = end
+        if ns < self.min_ns:
+            self.min_ns = ns
+        if error is not None and self.error is None:
+            self.error = error
+        if ns >= self.max_ns:
+            self.max_ns = ns
+            return True
+        return False
+
+
+def folding_repeat(seen: Any, parent_span_id: int) -> Repeat | None:
+    """The composite that an occurrence of a name starting now under ``parent_span_id`` folds into, from
+    what ``TraceRecord.repeats`` holds for the name: the parent of its only occurrence so far (an int), its
+    ``Repeat`` under one parent, or a dict of those by parent."""
+    if type(seen) is Repeat:
+        return seen if seen.folding and seen.parent_span_id == parent_span_id else None
+    if type(seen) is dict:
+        found = seen.get(parent_span_id)
+        return found if type(found) is Repeat and found.folding else None
+    return None
+
+
+def count_repeat(trace: TraceRecord, rec: StageRecord, new_span_id: Any) -> None:
+    """Under the trace's lock, after ``rec`` was kept as a real stage: one more occurrence of its name under
+    its parent; the one that reaches ``KEEP_REPEATS`` starts the composite (appended to the trace's stages
+    once, with a span id of its own) that later occurrences fold into."""
+    name, parent = rec.name, rec.parent_span_id
+    seen = trace.repeats.get(name)
+    if seen is None:
+        trace.repeats[name] = parent
+        return
+    if type(seen) is int:
+        if seen != parent:
+            trace.repeats[name] = {seen: 1, parent: 1}
+            return
+        seen = trace.repeats[name] = Repeat(rec, 1)
+    elif type(seen) is dict:
+        found = seen.get(parent)
+        if type(found) is not Repeat:
+            if found is None:
+                seen[parent] = 1
+                return
+            found = seen[parent] = Repeat(rec, found)
+        seen = found
+    repeat: Repeat = seen
+    repeat.count += 1
+    if repeat.count == KEEP_REPEATS and not repeat.folding:
+        repeat.folding = True
+        repeat.span_id = new_span_id(64) or 1
+        trace.stages.append(repeat)  # type: ignore[arg-type]  # a stage to the shipper, as a composite
+
+
 class TraceRecord:
     """The local part of one trace, keyed by trace id in the registry while its local root is open."""
 
@@ -192,15 +331,19 @@ class TraceRecord:
         "closed",
         "created_monotonic",
         "dropped_stages",
+        "gen_ai",
         "lock",
         "loop_thread",
+        "member_folds",
         "memberships",
         "others",
         "perf_to_epoch_ns",
+        "repeats",
         "root_ended",
         "root_span_id",
         "shadowed",
         "stages",
+        "stream",
         "trace_flags",
         "trace_id",
         "trace_state",
@@ -228,6 +371,8 @@ class TraceRecord:
         self.perf_to_epoch_ns = root_start_epoch_ns - time.perf_counter_ns()
         self.created_monotonic = time.monotonic()
         self.stages: list[StageRecord] = []
+        # Stage names seen so far, by name: what ``folding_repeat`` / ``count_repeat`` read and keep.
+        self.repeats: dict[str, Any] = {}
         self.others: list[Any] = []  # other instrumentations' spans of this trace (SDK ReadableSpans)
         self.dropped_stages = 0
         self.closed = False  # shipped: stages ending from now on go on their own
@@ -236,4 +381,8 @@ class TraceRecord:
         self.shadowed: TraceRecord | None = None  # an outer local root of the same trace id in this process
         self.batch: Any = None  # the Batch whose span is this trace's root (stagetrace.batch())
         self.memberships: list[Any] | None = None  # batches this trace's requests were served by
+        # Past KEEP_REPEATS memberships of one wait name under one parent, the rest fold (capture/batch.py).
+        self.member_folds: dict[tuple[str, int], Any] | None = None
         self.worker_runs: list[int] | None = None  # start, end, ...: its code ran on worker threads then
+        self.stream: Any = None  # capture.streams.StreamStats, once its response streams
+        self.gen_ai: dict[str, Any] | None = None  # what generative model it serves (stagetrace.generation)

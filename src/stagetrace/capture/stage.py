@@ -25,7 +25,7 @@ from stagetrace._compat import runtime_context_var, span_context_is_a_plain_tupl
 from stagetrace._safety import report_internal_error, warn_once
 from stagetrace.capture.light_spans import LightSpan
 from stagetrace.capture.loopblocks import note_loop_block
-from stagetrace.capture.records import StageRecord
+from stagetrace.capture.records import StageRecord, count_repeat, folding_repeat
 from stagetrace.conventions import RESERVED_STAGE_NAMES, STAGE_KINDS
 from stagetrace.settings import (
     CPU_ACCOUNTING_MIN_MS,
@@ -130,9 +130,13 @@ def _close_root(active: _ActiveRoot, exc: BaseException | None) -> None:
         report_internal_error("pipeline exit")
 
 
-def enter_stage(name: str, kind: str, owner: Any = None, *, sync: bool = True) -> StageRecord | None:
+def enter_stage(
+    name: str, kind: str, owner: Any = None, *, sync: bool = True, foldable: bool = True
+) -> StageRecord | None:
     """``sync``: the stage runs without yielding to other tasks (not ``async with``/``async def``), so CPU
-    accounting applies and running on the event-loop thread means blocking it."""
+    accounting applies and running on the event-loop thread means blocking it. ``foldable``: a repeat of
+    its name may fold into a composite (not for stages whose own fields a rule reads occurrence by
+    occurrence, such as a queue wait's saturation, or that end outside ``exit_stage``)."""
     rt = _state.runtime
     if rt is None:
         return None
@@ -157,19 +161,24 @@ def enter_stage(name: str, kind: str, owner: Any = None, *, sync: bool = True) -
                 trace_id, parent_span_id, flags, state = sc.trace_id, sc.span_id, sc.trace_flags, sc.trace_state
         trace = rt.lookup_trace(trace_id)
         parent = ctx.get(_STAGE_KEY)
+        # A name repeating under one parent past KEEP_REPEATS folds into its composite, whose span id it takes.
+        seen = trace.repeats.get(name) if trace is not None and foldable else None
+        repeat = folding_repeat(seen, parent_span_id) if seen is not None else None
         rec = StageRecord(
             name,
             kind,
             rt,
             trace,
             trace_id,
-            _getrandbits(64) or 1,
+            repeat.span_id if repeat is not None else (_getrandbits(64) or 1),
             parent_span_id,
             parent.span_id if parent is not None and parent.trace_id == trace_id else 0,
             flags,
             state,
             owner,
         )
+        if repeat is not None:
+            rec.repeat = repeat
         if trace is None:
             # A trace whose root stagetrace does not track: the stage is exported on its own.
             rec.perf_to_epoch_ns = time.time_ns() - _perf_ns()
@@ -230,14 +239,21 @@ def exit_stage(rec: StageRecord | None, exc: BaseException | None, end_ns: int |
         if trace is not None:
             with trace.lock:
                 if not trace.closed:
-                    if len(trace.stages) < rt.max_stages_per_trace:
+                    if rec.repeat is not None:
+                        rec.repeat.fold(rec)
+                        if rec.gpu is not None:
+                            rt.gpu.forget(rec)  # folded with its host time: its CUDA events go back unread
+                    elif len(trace.stages) < rt.max_stages_per_trace:
                         trace.stages.append(rec)
+                        count_repeat(trace, rec, _getrandbits)
                     else:
                         trace.dropped_stages += 1
                         if rec.gpu is not None:
                             rt.gpu.forget(rec)  # its CUDA events go back to the pool's count
                     trace = None
         if trace is not None or rec.trace is None:
+            if rec.repeat is not None:  # it would have folded, but its trace is gone: a span of its own
+                rec.span_id, rec.repeat = _getrandbits(64) or 1, None
             rt.shipper.submit_lone_stage(rec)  # after the root ended (background work), or untracked
         if rec.implicit_root is not None:
             _close_root(rec.implicit_root, exc)
@@ -399,7 +415,7 @@ def add_stage(name: str, kind: str, start_ns: int, end_ns: int, **fields: Any) -
     span = _get_context().get(_SPAN_KEY)
     if span is None or not span.get_span_context().is_valid:
         return
-    rec = enter_stage(name, kind, None, sync=False)
+    rec = enter_stage(name, kind, None, sync=False, foldable=all(v is None for v in fields.values()))
     if rec is not None:
         rec.start_ns = start_ns
         for key, value in fields.items():

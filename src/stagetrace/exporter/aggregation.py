@@ -39,8 +39,18 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from stagetrace._compat import reader_prefers_delta, set_reader_collect
 from stagetrace._version import __version__
+from stagetrace.analysis.streams import GapHistogram
 from stagetrace.conventions import INSTRUMENTATION_NAME
-from stagetrace.exporter.metrics import INSTRUMENTS, Addition, ContractMetrics, Exemplar, Instrument, Key, Observation
+from stagetrace.exporter.metrics import (
+    INSTRUMENTS,
+    Addition,
+    ContractMetrics,
+    Exemplar,
+    Instrument,
+    Key,
+    Merge,
+    Observation,
+)
 
 _SCOPE = InstrumentationScope(INSTRUMENTATION_NAME, __version__)
 _INF = float("inf")
@@ -97,6 +107,25 @@ class MetricStore:
             if h.exemplars is None:
                 h.exemplars = {}
             h.exemplars[index] = (value, time_ns(), exemplar[0], exemplar[1])  # the bucket's last one
+
+    def merge(self, inst: Instrument, key: Key, histogram: GapHistogram) -> None:
+        """Many values at once, already counted on ``inst``'s buckets (a stream's gaps)."""
+        table = self.points[inst.name]
+        h = table.get(key)
+        if h is None:
+            h = table[key] = _Histogram(len(inst.buckets), time_ns())
+        n = 0
+        for index, count in enumerate(histogram.counts):
+            h.counts[index] += count
+            n += count
+        if not n:
+            return
+        h.count += n
+        h.sum += histogram.sum_ms
+        if histogram.min_ms < h.min:
+            h.min = histogram.min_ms
+        if histogram.max_ms > h.max:
+            h.max = histogram.max_ms
 
     def add(self, inst: Instrument, key: Key, amount: int) -> None:
         table = self.points[inst.name]
@@ -243,10 +272,12 @@ class AggregatedMetrics(ContractMetrics):
             for store in self._stores:
                 store.set(instrument, key, value)
 
-    def _record_all(self, observations: list[Observation], additions: list[Addition]) -> None:
+    def _record_all(self, observations: list[Observation], additions: list[Addition], merges: list[Merge]) -> None:
         with self._lock:
             for store in self._stores:
                 for instrument, key, value, exemplar in observations:
                     store.observe(instrument, key, value, exemplar)
                 for instrument, key, amount in additions:
                     store.add(instrument, key, amount)
+                for instrument, key, histogram in merges:
+                    store.merge(instrument, key, histogram)

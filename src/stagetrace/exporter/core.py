@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from opentelemetry.trace import StatusCode, format_trace_id
@@ -20,6 +20,8 @@ from stagetrace import conventions as c
 from stagetrace._safety import RateLimitedLog, report_internal_error
 from stagetrace.analysis import TraceSignals, Verdict, analyse_trace, build_verdict, diagnose
 from stagetrace.analysis.loopwait import blocker_entry, loop_waits, request_arrival
+from stagetrace.analysis.model import CompressedInfo
+from stagetrace.analysis.streams import summarise_stream
 from stagetrace.exporter import signals as sig
 from stagetrace.exporter import spans as sp
 from stagetrace.exporter.budget import BudgetLimits, ExportBudget, signature_of
@@ -32,9 +34,9 @@ from stagetrace.settings import (
     ARRIVAL_LOOKBACK_NS,
     ARRIVAL_UNEXPLAINED_MIN_NS,
     ARRIVAL_WAIT_MIN_NS,
+    KEEP_REPEATS,
     LOOP_WAIT_MIN_NS,
     MAX_BLOCKED_BY,
-    MAX_LOOP_WAIT_SPANS,
     Settings,
 )
 
@@ -44,6 +46,38 @@ def _delayed_requests(stages: Sequence[Any]) -> int | None:
     counts = [a.get(c.DELAYED_REQUESTS) for st in stages if (a := st.attributes)]
     found = [n for n in counts if isinstance(n, int)]
     return max(found) if found else None
+
+
+def generative(declared: dict[str, Any] | None, root_attributes: dict[str, Any]) -> dict[str, Any] | None:
+    """What a request said of the generative model it served: through ``stagetrace.generation()`` or
+    ``gen_ai.*`` attributes on its local root (which win); None unless it names an operation or a model."""
+    found = {k: v for k, v in root_attributes.items() if k.startswith("gen_ai.")}
+    if declared:
+        found = {**declared, **found}
+    if c.GEN_AI_OPERATION in found or c.GEN_AI_REQUEST_MODEL in found:
+        return found
+    return None
+
+
+def fold_repeated(stages: list[wire.ShippedStage], new_span_id: Callable[[], int]) -> list[wire.ShippedStage]:
+    """Stages the exporter adds itself, of one name under one parent (a request's ``event_loop.wait``
+    stretches), as the application folds repeated stages: the first ``KEEP_REPEATS`` as they are, the rest
+    into a composite (its ``blocked_by`` the union of theirs, bounded) with the slowest kept as the
+    example. Many stretches in one request stay one span and count in full."""
+    if len(stages) <= KEEP_REPEATS:
+        return stages
+    kept, rest = stages[:KEEP_REPEATS], stages[KEEP_REPEATS:]
+    walls = [st.end_ns - st.start_ns for st in rest]
+    first = rest[0]
+    composite = wire.ShippedStage.added(
+        first.name, first.kind, new_span_id(), first.parent_span_id, first.start_ns, max(st.end_ns for st in rest)
+    )
+    composite.compressed = CompressedInfo(len(rest), sum(walls), min(walls), max(walls))
+    names = [n for st in rest for n in (st.attributes or {}).get(c.BLOCKED_BY, ())]
+    composite.attributes = {c.BLOCKED_BY: tuple(dict.fromkeys(names))[:MAX_BLOCKED_BY]}
+    slowest = rest[walls.index(max(walls))]
+    slowest.example = True
+    return [*kept, composite, slowest]
 
 
 class MalformedRecord(ValueError):
@@ -149,7 +183,8 @@ class ExporterCore:
         foreign, others = split_foreign_stages(t.others, offset)
         if foreign:
             link_enclosing_stages([*stages, *(st for st, _ in foreign)], [*others, *(span for _, span in foreign)])
-        analysed = stages + [st for st, _ in foreign]
+        # A composite's slowest occurrence is exported as an example; its time is the composite's already.
+        analysed = [st for st in stages if not st.example] + [st for st, _ in foreign]
         attrs = root[wire.SPAN_ATTRIBUTES]
         route = attrs.get(c.HTTP_ROUTE)
         route = route if isinstance(route, str) else None
@@ -171,6 +206,9 @@ class ExporterCore:
         # The stages are in perf-counter time: the root moves to that clock for the analysis.
         analysis = analyse_trace(root_start - offset, root_end - offset, analysed, self.settings.threshold_for(route))
         signals = self._signals(root_start, root_end, t.gpu_utilization, blocked_by)
+        if t.stream is not None:
+            stream = summarise_stream(root_start - offset, t.stream, analysed, analysis.charged_ms)
+            signals = signals._replace(stream=stream)
         verdict = build_verdict(
             trace_id=format_trace_id(trace_id),
             root_name=root[wire.SPAN_NAME],
@@ -180,6 +218,7 @@ class ExporterCore:
             signals=signals,
             sampled=bool(t.flags & 1),
             delayed_requests=_delayed_requests(analysed),
+            gen_ai=generative(t.gen_ai, attrs),
         )
         errored = (
             root[wire.SPAN_STATUS] == _ERROR
@@ -255,9 +294,6 @@ class ExporterCore:
         window = (root[wire.SPAN_START] - offset, root[wire.SPAN_END] - offset)
         blocks = self.loop_blocks.overlapping(thread, *window)
         waits = loop_waits(window, own, blocks, trace_id, min_ns=LOOP_WAIT_MIN_NS)
-        if len(waits) > MAX_LOOP_WAIT_SPANS:
-            self.metrics.dropped("loop_wait_spans", len(waits) - MAX_LOOP_WAIT_SPANS)
-            waits = sorted(waits, key=lambda w: w.start_ns - w.end_ns)[:MAX_LOOP_WAIT_SPANS]
         held: dict[str, int] = {}
         out = []
         for w in waits:
@@ -272,7 +308,7 @@ class ExporterCore:
             wait.attributes = {c.BLOCKED_BY: tuple(names[:MAX_BLOCKED_BY])}
             out.append(wait)
         ranked = sorted(held, key=lambda k: -held[k])
-        return out, tuple(ranked[:MAX_BLOCKED_BY])
+        return fold_repeated(out, self._new_span_id_nonzero), tuple(ranked[:MAX_BLOCKED_BY])
 
     def _wait_before_root(
         self, t: wire.ShippedTrace, root: tuple[Any, ...]

@@ -19,13 +19,11 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_s
 
 from stagetrace import conventions as c
 from stagetrace.analysis import Verdict
+from stagetrace.analysis.streams import GapHistogram, StreamSummary
+from stagetrace.conventions import MS_BUCKETS
 
 OVERFLOW_STAGE = "_other"
 _NO_SPAN = Context()
-
-# Bucket edges in ms for the latency histograms: request pipelines live between ~0.1 ms stages and
-# multi-second slow traces.
-MS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 200, 300, 500, 750, 1000, 1500, 2500, 5000, 10000)
 
 
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -48,6 +46,7 @@ class Instrument:
 
 Observation = tuple[Instrument, Key, float, "Exemplar | None"]  # a histogram's value, with its exemplar
 Addition = tuple[Instrument, Key, int]  # a counter's increment
+Merge = tuple[Instrument, Key, GapHistogram]  # many values at once, counted on the instrument's own buckets
 
 
 STAGE_DURATION = Instrument(
@@ -72,6 +71,33 @@ BATCH_SIZE = Instrument(
 BATCH_FILL = Instrument(
     c.METRIC_BATCH_FILL, "histogram", "1", "Items in a batch over the batcher's max size", FILL_BUCKETS
 )
+STREAM_FIRST_CHUNK = Instrument(
+    c.METRIC_STREAM_FIRST_CHUNK, "histogram", "ms", "A streamed response's time to its first chunk", MS_BUCKETS
+)
+STREAM_CHUNK_GAP = Instrument(
+    c.METRIC_STREAM_CHUNK_GAP, "histogram", "ms", "Time between consecutive chunks of a streamed response", MS_BUCKETS
+)
+GEN_AI_TTFT = Instrument(
+    c.METRIC_GEN_AI_TTFT,
+    "histogram",
+    "s",
+    "Time to generate first token for successful responses",
+    c.GEN_AI_TTFT_BUCKETS,
+)
+GEN_AI_TPOT = Instrument(
+    c.METRIC_GEN_AI_TPOT,
+    "histogram",
+    "s",
+    "Time per output token generated after the first token for successful responses",
+    c.GEN_AI_TPOT_BUCKETS,
+)
+GEN_AI_REQUEST_DURATION = Instrument(
+    c.METRIC_GEN_AI_REQUEST_DURATION,
+    "histogram",
+    "s",
+    "Generative AI server request duration such as time-to-last byte or last output token",
+    c.GEN_AI_DURATION_BUCKETS,
+)
 INSTRUMENTS = (
     STAGE_DURATION,
     TRACE_DURATION,
@@ -81,6 +107,11 @@ INSTRUMENTS = (
     GPU_UTILIZATION,
     BATCH_SIZE,
     BATCH_FILL,
+    STREAM_FIRST_CHUNK,
+    STREAM_CHUNK_GAP,
+    GEN_AI_TTFT,
+    GEN_AI_TPOT,
+    GEN_AI_REQUEST_DURATION,
 )
 
 
@@ -115,13 +146,17 @@ class ContractMetrics:
     def _set(self, instrument: Instrument, key: Key, value: float) -> None:
         raise NotImplementedError
 
-    def _record_all(self, observations: list[Observation], additions: list[Addition]) -> None:
+    def _record_all(self, observations: list[Observation], additions: list[Addition], merges: list[Merge]) -> None:
         """A trace's observations and counts together: a subclass that can take them in one go (one lock,
-        one pass per store) overrides this."""
+        one pass per store) overrides this. Without a way to add bucket counts (the SDK's instruments), a
+        merge is recorded as its buckets' upper edges, at most ``MERGE_RECORDS`` a trace."""
         for instrument, key, value, exemplar in observations:
             self._observe(instrument, key, value, exemplar)
         for instrument, key, amount in additions:
             self._add(instrument, key, amount)
+        for instrument, key, histogram in merges:
+            for value in representative_values(instrument.buckets, histogram, MERGE_RECORDS):
+                self._observe(instrument, key, value, None)
 
     # --- attributes --------------------------------------------------------------------------------------
     def _stage_label(self, name: str) -> str:
@@ -133,6 +168,10 @@ class ContractMetrics:
                 return name
         self.dropped("stage_name_cardinality")
         return OVERFLOW_STAGE
+
+    def _phase_label(self, name: str | None) -> str:
+        """A stream phase's bottleneck as a metric attribute: a stage label, or untracked when none."""
+        return c.UNTRACKED if name is None or name == c.UNTRACKED else self._stage_label(name)
 
     def _stage_key(self, name: str, kind: str, route: str | None) -> Key:
         cache_key = (name, kind, route)
@@ -174,7 +213,21 @@ class ContractMetrics:
         if bottleneck is not None:
             label = bottleneck if bottleneck == c.UNTRACKED else self._stage_label(bottleneck)
             additions.append((BOTTLENECK, ((c.STAGE, label),), 1))
-        self._record_all(observations, additions)
+        merges: list[Merge] = []
+        stream = verdict.stream
+        if stream is not None:
+            route_key: Key = ((c.HTTP_ROUTE, route),) if route else ()
+            first_key = (
+                *route_key,
+                (c.STREAM_FIRST_CHUNK_BOTTLENECK, self._phase_label(stream.first_chunk_bottleneck)),
+            )
+            observations.append((STREAM_FIRST_CHUNK, first_key, stream.first_chunk_ms, exemplar))
+            if stream.gaps is not None:
+                gap_key = (*route_key, (c.STREAM_GAP_BOTTLENECK, self._phase_label(stream.gap_bottleneck)))
+                merges.append((STREAM_CHUNK_GAP, gap_key, stream.gaps))
+            if verdict.gen_ai:
+                observations.extend(gen_ai_observations(verdict, stream))
+        self._record_all(observations, additions, merges)
 
     def record_batch(self, name: str, size: int, fill: float | None) -> None:
         key = ((c.STAGE, self._stage_label(name)),)
@@ -188,6 +241,39 @@ class ContractMetrics:
 
     def gpu_utilization(self, value: float, hw_id: str) -> None:
         self._set(GPU_UTILIZATION, ((c.HW_ID, hw_id),), value)
+
+
+MERGE_RECORDS = 4096  # values a merged histogram may become where only one value at a time can be recorded
+
+
+def representative_values(buckets: tuple[float, ...], histogram: GapHistogram, limit: int) -> list[float]:
+    """Each counted value as its bucket's upper edge (the largest, its own maximum), scaled down to at most
+    ``limit`` values in all."""
+    total = sum(histogram.counts)
+    scale = min(1.0, limit / total) if total else 0.0
+    out: list[float] = []
+    for index, count in enumerate(histogram.counts):
+        edge = buckets[index] if index < len(buckets) else histogram.max_ms
+        out.extend([min(edge, histogram.max_ms)] * round(count * scale))
+    return out
+
+
+def gen_ai_observations(verdict: Verdict, stream: StreamSummary) -> list[Observation]:
+    """OpenTelemetry's GenAI server metrics for a request that said it serves a generative model: the
+    duration of every request, time to first token and time per output token of the successful ones."""
+    gen_ai = verdict.gen_ai or {}
+    key: Key = tuple((k, gen_ai[k]) for k in c.GEN_AI_METRIC_ATTRIBUTES if isinstance(gen_ai.get(k), (str, int)))
+    failed = stream.disconnected
+    duration_key = (*key, (c.ERROR_TYPE, c.CLIENT_DISCONNECTED)) if failed else key
+    out: list[Observation] = [(GEN_AI_REQUEST_DURATION, duration_key, verdict.total_ms / 1e3, None)]
+    if failed:
+        return out
+    out.append((GEN_AI_TTFT, key, stream.first_chunk_ms / 1e3, None))
+    tokens = gen_ai.get(c.GEN_AI_OUTPUT_TOKENS)
+    tokens = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else stream.chunks
+    if tokens > 1:
+        out.append((GEN_AI_TPOT, key, (verdict.total_ms - stream.first_chunk_ms) / 1e3 / (tokens - 1), None))
+    return out
 
 
 class SdkInstruments(ContractMetrics):

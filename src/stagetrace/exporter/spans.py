@@ -15,6 +15,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from stagetrace import conventions as c
 from stagetrace._version import __version__
 from stagetrace.analysis import BatchInfo, Verdict
+from stagetrace.analysis.streams import gen_ai_latencies
 from stagetrace.handoff import wire
 from stagetrace.settings import MAX_LINKS_PER_SPAN
 
@@ -29,6 +30,14 @@ def stage_attributes(stage: Any, extra: dict[str, Any] | None = None) -> dict[st
         attrs[c.ON_EVENT_LOOP] = True
     if stage.batch is not None:
         attrs.update(batch_attributes(stage))
+    folded = stage.compressed
+    if folded is not None:
+        attrs[c.COMPRESSED_COUNT] = folded.occurrences
+        attrs[c.COMPRESSED_SUM_MS] = round(folded.sum_ns / 1e6, 3)
+        attrs[c.COMPRESSED_MIN_MS] = round(folded.min_ns / 1e6, 3)
+        attrs[c.COMPRESSED_MAX_MS] = round(folded.max_ns / 1e6, 3)
+    elif stage.example:
+        attrs[c.COMPRESSED_SLOWEST] = True
     if stage.attributes:
         attrs.update(stage.attributes)
     if extra:
@@ -150,7 +159,25 @@ def verdict_attributes(verdict: Verdict) -> dict[str, Any]:
         attrs[c.STAGES_MS] = tuple(round(v, 3) for v in verdict.breakdown.values())
     if verdict.diagnoses:
         attrs[c.DIAGNOSIS] = verdict.diagnosis_codes
+    stream = verdict.stream
+    if stream is not None:
+        for field_name, key, _, digits in c.STREAM_FIELDS:
+            value = getattr(stream, field_name)
+            if value is not None:
+                attrs[key] = round(value, digits) if digits is not None else value
+        if verdict.gen_ai:
+            latencies = gen_ai_latencies(stream, verdict.stage_kinds, verdict.total_ms, c.GPU_KINDS)
+            attrs.update(zip(GEN_AI_LATENCY_KEYS, (round(v, 6) for v in latencies)))
     return attrs
+
+
+GEN_AI_LATENCY_KEYS = (
+    c.GEN_AI_LATENCY_TTFT,
+    c.GEN_AI_LATENCY_E2E,
+    c.GEN_AI_LATENCY_QUEUE,
+    c.GEN_AI_LATENCY_PREFILL,
+    c.GEN_AI_LATENCY_DECODE,
+)  # in GenAiLatencies' order
 
 
 def diagnosis_events(verdict: Verdict, timestamp_ns: int) -> tuple[Any, ...]:
@@ -189,8 +216,14 @@ def root_with_verdict(root: tuple[Any, ...], verdict: Verdict, *, keep_query_str
     if not keep_query_strings:
         strip_query_strings(attributes)
     attributes.update(verdict_attributes(verdict))
+    if verdict.gen_ai:
+        attributes.update({k: v for k, v in verdict.gen_ai.items() if k not in attributes})
+    changes: dict[str, Any] = {}
+    if verdict.stream is not None and verdict.stream.disconnected:
+        attributes.setdefault(c.ERROR_TYPE, c.CLIENT_DISCONNECTED)  # as FastAPI's own telemetry marks it
+        changes["status_code"] = StatusCode.ERROR.value
     events = tuple(root[wire.SPAN_EVENTS]) + diagnosis_events(verdict, root[wire.SPAN_END])
-    return wire.replace_span(root, attributes=attributes, events=events)
+    return wire.replace_span(root, attributes=attributes, events=events, **changes)
 
 
 def batch_spans(root: tuple[Any, ...], new_span_id: Callable[[], int]) -> list[tuple[Any, ...]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from stagetrace.analysis.model import BatchInfo
-from stagetrace.capture.records import StageRecord, TraceRecord
+from stagetrace.capture.records import Repeat, StageRecord, TraceRecord
 from stagetrace.conventions import BATCH_ABANDONED
 from stagetrace.handoff.wire import STAGE_FIELDS, pack_stage
 
@@ -92,7 +92,8 @@ class MemberBatchStage:
     )
     # fields a batch stage never measures itself (its inner stages do)
     cpu_start = cpu_end = gpu = gpu_ms = gpu_utilization = h2d_bytes = h2d_pinned = queue_saturated = None
-    on_event_loop = False
+    compressed = None
+    on_event_loop = example = False
 
     def __init__(self, name: str, kind: str, span_id: int, parent: StageRecord, start_ns: int, end_ns: int) -> None:
         self.name = name
@@ -118,7 +119,7 @@ def batch_source_stages(batch: Any) -> list[StageRecord]:
         return []
     with trace.lock:
         stages = list(trace.stages)
-    return [s for s in stages if s.end_ns]
+    return [s for s in stages if s.end_ns and (type(s) is not Repeat or s.folded)]
 
 
 def gpu_sources(trace: TraceRecord) -> list[StageRecord]:

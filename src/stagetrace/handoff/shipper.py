@@ -11,6 +11,7 @@ trace and counts it, it never blocks a request.
 from __future__ import annotations
 
 import itertools
+import random
 import threading
 import time
 from collections import deque
@@ -21,7 +22,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 
 from stagetrace._safety import at_fork_in_child, report_internal_error
 from stagetrace.capture.light_spans import LightSpan
-from stagetrace.capture.records import StageRecord, TraceRecord
+from stagetrace.capture.records import Repeat, StageRecord, TraceRecord
 from stagetrace.exporter.metrics import MetricsRecorder
 from stagetrace.exporter.signals import flatten
 from stagetrace.handoff import fanout, wire
@@ -77,6 +78,9 @@ class _LoneSpan:
 def pack_any_span(span: Any) -> tuple[Any, ...]:
     """An SDK span or a light span (``capture/light_spans.py``) as its wire tuple."""
     return span.wire_tuple() if type(span) is LightSpan else wire.pack_span(span)
+
+
+_new_span_id = random.getrandbits  # for the example span of a composite (its occurrence shared the composite's id)
 
 
 def resolve_gpu_once(gpu: GpuHooks, rec: Any, offset: int, not_after_ns: int | None = None) -> None:
@@ -420,12 +424,27 @@ class Shipper:
             trace.dropped_stages,
             gpu_utilization,
             packed_root,
-            tuple(map(fanout.pack_member_stage if tickets else wire.pack_stage, stages)),
+            self._pack_stages(stages, fanout.pack_member_stage if tickets else wire.pack_stage),
             tuple(map(pack_any_span, others)),
             trace.loop_thread,
             tuple(worker_runs),
             *(trace.arrival or (0, -1)),
+            trace.stream.packed() if trace.stream is not None else None,
+            trace.gen_ai,
         )
+
+    def _pack_stages(self, stages: list[Any], pack: Callable[[Any], tuple[Any, ...]]) -> tuple[tuple[Any, ...], ...]:
+        """Each stage packed; a composite of repeated occurrences (once anything folded into it) with its
+        slowest occurrence as the example span."""
+        out = []
+        for rec in stages:
+            if type(rec) is not Repeat:
+                out.append(pack(rec))
+            elif rec.folded:
+                out.append(pack(rec))
+                if rec.slowest is not None:
+                    out.append(wire.as_example(pack(rec.slowest), _new_span_id(64) or 1))
+        return tuple(out)
 
     def _ticket_unused(self) -> None:
         self.app_metrics.dropped("batch_ticket_unused")

@@ -18,7 +18,8 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
-from stagetrace.analysis.model import BatchInfo, batch_info
+from stagetrace.analysis.model import BatchInfo, CompressedInfo, batch_info, compressed_info
+from stagetrace.analysis.streams import StreamFields, stream_fields
 from stagetrace.capture.light_spans import LINK_REMOTE, link_flags, trace_state_header
 from stagetrace.conventions import BATCH_INDEX, BATCH_ITEMS
 
@@ -58,6 +59,8 @@ STAGE_FIELDS = (
     "h2d_pinned",
     "queue_saturated",
     "batch",
+    "compressed",  # a composite of repeated occurrences: (count, summed ns, least ns, most ns); else None
+    "example",  # the slowest occurrence of a composite: exported, but its time is the composite's
 )
 pack_stage = attrgetter(*STAGE_FIELDS)
 """A capture record (or anything with these attributes) as its wire tuple."""
@@ -91,6 +94,8 @@ class ShippedStage:
     h2d_pinned: bool | None
     queue_saturated: bool | None
     batch: BatchInfo | None
+    compressed: CompressedInfo | None
+    example: bool
 
     def __init__(self, fields: Sequence[Any]) -> None:
         if len(fields) != len(STAGE_FIELDS):
@@ -100,6 +105,8 @@ class ShippedStage:
             raise ValueError("a stage record needs a str name and int times")
         if self.batch is not None:
             self.batch = batch_info(self.batch)
+        if self.compressed is not None:
+            self.compressed = compressed_info(self.compressed)
         self.cpu_ms = self.runqueue_ms = self.blocked_ms = self.not_gil_ms = self.others_runqueue_ms = None
 
     @classmethod
@@ -113,10 +120,24 @@ class ShippedStage:
 
     @property
     def wall_ms(self) -> float:
+        """Its time on the wall; a composite's longest occurrence (what a rule about one stage reads)."""
+        if self.compressed is not None:
+            return self.compressed.max_ns / 1e6
         return max(0, self.end_ns - self.start_ns) / 1e6
 
     def __repr__(self) -> str:
         return f"ShippedStage({self.name!r}, kind={self.kind!r})"
+
+
+_SPAN_ID_FIELD, _EXAMPLE_FIELD = STAGE_FIELDS.index("span_id"), STAGE_FIELDS.index("example")
+
+
+def as_example(packed_stage: tuple[Any, ...], span_id: int) -> tuple[Any, ...]:
+    """The slowest occurrence of a composite, packed, as the example span: an id of its own (its
+    occurrence shared the composite's) and marked, so that its time is not counted twice."""
+    out = list(packed_stage)
+    out[_SPAN_ID_FIELD], out[_EXAMPLE_FIELD] = span_id, True
+    return tuple(out)
 
 
 def _stage_fields_assigner() -> Any:
@@ -134,7 +155,9 @@ _NAME, _KIND, _SPAN_ID, _PARENT_SPAN_ID, _START, _END = (
     STAGE_FIELDS.index(f) for f in ("name", "kind", "span_id", "parent_span_id", "start_ns", "end_ns")
 )
 # A stage with nothing measured: no parent stage, not on the event loop, every optional field unset.
-_ADDED_STAGE = tuple(0 if f == "parent_stage_id" else False if f == "on_event_loop" else None for f in STAGE_FIELDS)
+_ADDED_STAGE = tuple(
+    0 if f == "parent_stage_id" else False if f in ("on_event_loop", "example") else None for f in STAGE_FIELDS
+)
 
 
 class ShippedTrace(NamedTuple):
@@ -153,18 +176,22 @@ class ShippedTrace(NamedTuple):
     worker_runs: tuple[int, ...]  # start, end, ...: perf ns its code ran on worker threads
     task_created_ns: int  # perf ns its root's task was created (capture/arrival.py), or 0
     received_ms_ago: int  # at that moment, ms since the request's socket last received data, or -1
+    stream: StreamFields | None  # its response streamed (capture/streams.py)
+    gen_ai: dict[str, Any] | None  # the generative model it served, as stagetrace.generation() said
 
 
 def unpack_trace(msg: Sequence[Any]) -> ShippedTrace:
     """A TRACE message's fields (without the kind), checked: ValueError for one of the wrong shape."""
     if len(msg) != len(ShippedTrace._fields) + 1:
         raise ValueError(f"a trace message has {len(ShippedTrace._fields) + 1} fields, got {len(msg)}")
-    _, trace_id, flags, state, offset, dropped, gpu_utilization, root, stages, others, loop_thread, runs, *arrival = msg
-    task_created, received_ago = arrival
+    _, trace_id, flags, state, offset, dropped, gpu_utilization, root, stages, others, loop_thread, runs, *rest = msg
+    task_created, received_ago, stream, gen_ai = rest
     if not all(type(v) is int for v in (trace_id, offset, flags, loop_thread, task_created, received_ago)):
         raise ValueError("malformed trace header")
     if not isinstance(runs, tuple) or not all(isinstance(v, int) for v in runs):
         raise ValueError("malformed worker runs")
+    if gen_ai is not None and not isinstance(gen_ai, dict):
+        raise ValueError("malformed gen_ai record")
     return ShippedTrace(
         trace_id,
         flags,
@@ -179,6 +206,8 @@ def unpack_trace(msg: Sequence[Any]) -> ShippedTrace:
         runs,
         task_created,
         received_ago,
+        stream_fields(stream),
+        gen_ai,
     )
 
 

@@ -12,6 +12,7 @@ from opentelemetry.context import Context, attach, detach, get_current
 from opentelemetry.trace import get_current_span
 
 from stagetrace import _state
+from stagetrace.capture import streams
 from stagetrace.capture.arrival import ensure_task_factory
 from stagetrace.capture.records import StageRecord
 from stagetrace.integrations._common import Patch
@@ -105,6 +106,8 @@ def _make_app_call(original: Any) -> Any:
         if scope.get("type") == "lifespan":
             return await original(self, scope, _flushing_on_shutdown(receive), send)
         rt.loop_monitor.ensure_running()
+        if scope.get("type") == "http":
+            send, receive = streams.observe(rt, send, receive)  # a streamed body's chunks, timed
         if scope.get("type") in ("http", "websocket") and leaked_context(get_current()):
             token = attach(Context())
             try:
@@ -114,6 +117,41 @@ def _make_app_call(original: Any) -> Any:
         return await original(self, scope, receive, send)
 
     return __call__
+
+
+def _make_iterate_in_threadpool(original: Any) -> Any:
+    """Starlette's ``StreamingResponse`` runs each ``next()`` of a sync generator on the thread pool: each
+    hop's wait for a worker is a ``threadpool.wait`` stage (folded with the others past the first few), so
+    a stream's time between chunks is in stages, not untracked."""
+
+    @functools.wraps(original)
+    async def iterate_in_threadpool(iterator: Any) -> Any:
+        if _state.runtime is None:
+            async for item in original(iterator):
+                yield item
+            return
+        import anyio.to_thread
+
+        as_iterator = iter(iterator)
+        while True:
+            step = timed_wait(_next_or_stop, THREADPOOL_WAIT_STAGE, None, min_ns=0)  # every hop: they fold
+            try:
+                yield await anyio.to_thread.run_sync(step, as_iterator)
+            except _Exhausted:
+                break
+
+    return iterate_in_threadpool
+
+
+class _Exhausted(Exception):
+    """StopIteration cannot cross a coroutine (it becomes a RuntimeError): the generator's end, carried."""
+
+
+def _next_or_stop(iterator: Any) -> Any:
+    try:
+        return next(iterator)
+    except StopIteration:
+        raise _Exhausted from None
 
 
 def asgi_patches() -> list[Patch]:
@@ -133,6 +171,12 @@ def asgi_patches() -> list[Patch]:
         import starlette.applications as apps
 
         patches.append(Patch(apps.Starlette, "__call__", _make_app_call))
+    except ImportError:
+        pass
+    try:
+        import starlette.responses as responses
+
+        patches.append(Patch(responses, "iterate_in_threadpool", _make_iterate_in_threadpool))
     except ImportError:
         pass
     try:

@@ -71,13 +71,13 @@ def _make_submit(original: Any) -> Any:
     return submit
 
 
-def timed_wait(fn: Any, name: str, saturated: bool | None) -> Any:
-    """``fn`` recording, on the worker, the wait from now until a worker picked it up."""
+def timed_wait(fn: Any, name: str, saturated: bool | None, min_ns: int = MIN_WAIT_NS) -> Any:
+    """``fn`` recording, on the worker, the wait from now until a worker picked it up (if ``min_ns`` or more)."""
     submitted = time.perf_counter_ns()
 
     def timed(*a: Any, **k: Any) -> Any:
         started = time.perf_counter_ns()
-        if started - submitted >= MIN_WAIT_NS:
+        if started - submitted >= min_ns:
             add_stage(name, "wait", submitted, started, queue_saturated=saturated)
         try:
             return fn(*a, **k)

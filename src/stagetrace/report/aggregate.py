@@ -10,6 +10,7 @@ from typing import Any
 
 from stagetrace.analysis import Verdict
 from stagetrace.analysis.diagnosis import ADVICE
+from stagetrace.analysis.streams import StreamSummary
 from stagetrace.report.sketch import QuantileSketch
 
 
@@ -56,6 +57,67 @@ class BatchWaitSummary:
         self.busy.merge(other.busy)
 
 
+@dataclass
+class StreamsSummary:
+    """The streamed responses: what their clients lived (time to the first chunk, each stream's gap p99),
+    and which stage dominated each phase, counted per stream."""
+
+    streams: int = 0
+    chunks: QuantileSketch = field(default_factory=QuantileSketch)
+    first_chunk: QuantileSketch = field(default_factory=QuantileSketch)
+    gap_p99: QuantileSketch = field(default_factory=QuantileSketch)
+    chunks_per_s: QuantileSketch = field(default_factory=QuantileSketch)
+    disconnected: int = 0
+    first_chunk_bottlenecks: Counter[str] = field(default_factory=Counter)
+    gap_bottlenecks: Counter[str] = field(default_factory=Counter)
+
+    def add(self, stream: StreamSummary) -> None:
+        self.streams += 1
+        self.chunks.add(stream.chunks)
+        self.first_chunk.add(stream.first_chunk_ms)
+        if stream.gap_p99_ms is not None:
+            self.gap_p99.add(stream.gap_p99_ms)
+        if stream.streaming_ms > 0 and stream.chunks > 1:
+            self.chunks_per_s.add((stream.chunks - 1) / (stream.streaming_ms / 1e3))
+        self.disconnected += stream.disconnected
+        if stream.first_chunk_bottleneck:
+            self.first_chunk_bottlenecks[stream.first_chunk_bottleneck] += 1
+        if stream.gap_bottleneck:
+            self.gap_bottlenecks[stream.gap_bottleneck] += 1
+
+    def merge(self, other: StreamsSummary) -> None:
+        self.streams += other.streams
+        for mine, theirs in (
+            (self.chunks, other.chunks),
+            (self.first_chunk, other.first_chunk),
+            (self.gap_p99, other.gap_p99),
+            (self.chunks_per_s, other.chunks_per_s),
+        ):
+            mine.merge(theirs)
+        self.disconnected += other.disconnected
+        self.first_chunk_bottlenecks.update(other.first_chunk_bottlenecks)
+        self.gap_bottlenecks.update(other.gap_bottlenecks)
+
+    def summary(self) -> dict[str, Any]:
+        """The ``--json`` shape of the ``streams`` key."""
+
+        def quantiles(sketch: QuantileSketch) -> dict[str, float] | None:
+            if not sketch.count:
+                return None
+            return {f"p{round(q * 100)}": round(sketch.quantile(q), 3) for q in (0.5, 0.95, 0.99)}
+
+        return {
+            "streams": self.streams,
+            "chunks_mean": round(self.chunks.mean, 1),
+            "first_chunk_ms": quantiles(self.first_chunk),
+            "gap_p99_ms": quantiles(self.gap_p99),
+            "chunks_per_s": quantiles(self.chunks_per_s),
+            "disconnected": self.disconnected,
+            "first_chunk_bottlenecks": dict(self.first_chunk_bottlenecks.most_common()),
+            "gap_bottlenecks": dict(self.gap_bottlenecks.most_common()),
+        }
+
+
 @dataclass(order=True)
 class _Slow:
     total_ms: float
@@ -80,6 +142,7 @@ class Aggregator:
         self.gpu_utilization = QuantileSketch()
         self.batches: dict[str, BatchSummary] = {}
         self.batch_waits: dict[str, BatchWaitSummary] = {}
+        self.streams = StreamsSummary()
         self._slowest: list[_Slow] = []
         self._keep = keep_slowest
         self._seq = 0
@@ -103,6 +166,8 @@ class Aggregator:
             self.messages.setdefault(d.code, d.message)
         if verdict.gpu_utilization is not None:
             self.gpu_utilization.add(verdict.gpu_utilization)
+        if verdict.stream is not None:
+            self.streams.add(verdict.stream)
         self.keep_if_slowest(verdict, waterfall)
 
     def stage(self, name: str, kind: str = "cpu") -> StageSummary:
@@ -137,6 +202,7 @@ class Aggregator:
             self.batches.setdefault(name, BatchSummary()).merge(b)
         for name, w in other.batch_waits.items():
             self.batch_waits.setdefault(name, BatchWaitSummary()).merge(w)
+        self.streams.merge(other.streams)
         for slow in other._slowest:
             self.keep_if_slowest(slow.verdict, slow.waterfall)
 
@@ -220,6 +286,8 @@ class Aggregator:
                 }
                 for name, w in self.batch_waits.items()
             }
+        if self.streams.streams:
+            out["streams"] = self.streams.summary()
         out["slowest"] = [
             {
                 "trace_id": v.trace_id,

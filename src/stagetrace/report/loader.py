@@ -57,6 +57,19 @@ def _hex_id(value: Any, length: int) -> str:
     return raw.hex()
 
 
+SPAN_KINDS = ("UNSPECIFIED", "INTERNAL", "SERVER", "CLIENT", "PRODUCER", "CONSUMER")  # OTLP's SpanKind, by number
+
+
+def _span_kind(value: Any) -> int:
+    """OTLP JSON writes the kind as its number; protobuf's generic JSON mapping by name (SPAN_KIND_SERVER)."""
+    if isinstance(value, str) and value.startswith("SPAN_KIND_"):
+        name = value.removeprefix("SPAN_KIND_")
+        if name in SPAN_KINDS:
+            return SPAN_KINDS.index(name)
+        raise MalformedLine(f"unknown span kind {value[:40]!r}")
+    return int(value or 0)
+
+
 def any_value(v: Any) -> Any:
     """An OTLP AnyValue ({"stringValue": ...}, {"intValue": "12"}, {"arrayValue": {...}}) as Python."""
     if not isinstance(v, dict) or not v:
@@ -109,7 +122,7 @@ def spans_from_line(line: str) -> list[Span]:
                             name=str(sp.get("name", "")),
                             start_ns=int(sp["startTimeUnixNano"]),
                             end_ns=int(sp["endTimeUnixNano"]),
-                            kind=int(sp.get("kind", 0) or 0),
+                            kind=_span_kind(sp.get("kind", 0)),
                             attributes=_attributes(sp.get("attributes")),
                             events=[
                                 (str(e.get("name", "")), _attributes(e.get("attributes")))

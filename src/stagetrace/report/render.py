@@ -70,6 +70,7 @@ def text_report(
             bar = "#" * max(1, round(width * count / n))
             out.append(f"  {labels[name]:<{label_width}} {bar:<{width}} {count / n:6.1%}  ({count})")
     out += batch_lines(summary)
+    out += stream_lines(summary)
     out += ["", "Diagnoses"]
     if not summary["diagnoses"]:
         out.append("  none fired")
@@ -216,6 +217,50 @@ def batch_lines(summary: dict[str, Any]) -> list[str]:
     return out
 
 
+STREAM_HEADERS = ["streamed responses", "p50", "p95", "p99"]
+
+
+def stream_rows(summary: dict[str, Any]) -> tuple[list[list[str]], list[list[str]]]:
+    """Rows of the stream tables: what the clients lived (time to the first chunk, each stream's gap p99,
+    chunks a second) and, per stage, how many streams it dominated before the first chunk and between chunks."""
+    st = summary.get("streams")
+    if not st:
+        return [], []
+    lived = [
+        [label, *(f"{q[key]:.2f}" for key in ("p50", "p95", "p99"))]
+        for label, q in (
+            ("time to first chunk ms", st["first_chunk_ms"]),
+            ("gap p99 ms (per stream)", st["gap_p99_ms"]),
+            ("chunks a second", st["chunks_per_s"]),
+        )
+        if q
+    ]
+    stages = sorted(set(st["first_chunk_bottlenecks"]) | set(st["gap_bottlenecks"]))
+    phases = [
+        [name, str(st["first_chunk_bottlenecks"].get(name, 0)), str(st["gap_bottlenecks"].get(name, 0))]
+        for name in stages
+    ]
+    return lived, phases
+
+
+PHASE_HEADERS = ["stage", "bottleneck to first chunk", "bottleneck between chunks"]
+
+
+def _stream_title(summary: dict[str, Any]) -> str:
+    st = summary["streams"]
+    return f"Streams ({st['streams']}, {st['chunks_mean']:.0f} chunks on average, {st['disconnected']} disconnected)"
+
+
+def stream_lines(summary: dict[str, Any]) -> list[str]:
+    lived, phases = stream_rows(summary)
+    if not lived and not phases:
+        return []
+    out = ["", _stream_title(summary), _table(STREAM_HEADERS, lived, "lrrr")]
+    if phases:
+        out.append(_table(PHASE_HEADERS, phases, "lrr"))
+    return out
+
+
 def _html_table(table_id: str, headers: list[str], rows: list[list[str]]) -> str:
     head = "".join(f"<th>{_esc(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{_esc(v)}</td>" for v in row) + "</tr>" for row in rows)
@@ -332,6 +377,12 @@ def html_report(
             body.append(_html_table("batches", BATCH_HEADERS, batches))
         if waits:
             body.append(_html_table("batch-waits", WAIT_HEADERS, waits))
+    lived, phases = stream_rows(summary)
+    if lived or phases:
+        body.append(f"<h2>{_esc(_stream_title(summary))}</h2>")
+        body.append(_html_table("streams", STREAM_HEADERS, lived))
+        if phases:
+            body.append(_html_table("stream-phases", PHASE_HEADERS, phases))
     body.append("<h2>Diagnoses</h2>")
     if not summary["diagnoses"]:
         body.append("<p>No diagnosis fired.</p>")

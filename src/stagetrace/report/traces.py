@@ -22,6 +22,8 @@ from stagetrace.analysis import (
     diagnose,
 )
 from stagetrace.analysis.diagnosis import ADVICE
+from stagetrace.analysis.model import CompressedInfo
+from stagetrace.analysis.streams import StreamSummary, split_phases
 from stagetrace.exporter.spans import batch_from_attributes
 from stagetrace.report.loader import Span
 from stagetrace.settings import DEFAULT_SLOW_THRESHOLD_MS
@@ -75,6 +77,42 @@ def _stored_verdict(root: Span, trace_id: str, spans: list[Span]) -> Verdict:
             for s in spans
             if c.STAGE in s.attributes and s.trace_id == trace_id
         },
+        stream=stream_from_attributes(root),
+        gen_ai=_gen_ai(a),
+    )
+
+
+def stream_from_attributes(root: Span) -> StreamSummary | None:
+    """The stream a root's attributes describe (``conventions.STREAM_FIELDS``), without the per-stage split
+    of its phases (``split_phases`` adds it where the stages are at hand); None for a response not streamed."""
+    a = root.attributes
+    fields = {name: _typed(a.get(key), kind) for name, key, kind, _ in c.STREAM_FIELDS}
+    if not fields["chunks"]:
+        return None
+    for name in ("first_chunk_ms", "streaming_ms", "send_wait_ms"):
+        fields[name] = fields[name] or 0.0
+    return StreamSummary(
+        **fields,
+        disconnected=a.get(c.ERROR_TYPE) == c.CLIENT_DISCONNECTED,
+        first_chunk_breakdown={},
+        gap_breakdown={},
+        gaps=None,
+    )
+
+
+def _gen_ai(attributes: dict[str, Any]) -> dict[str, Any] | None:
+    said = {key: attributes[key] for key in c.GEN_AI_METRIC_ATTRIBUTES if key in attributes}
+    return said or None
+
+
+def _with_phases(stream: StreamSummary, root_start_ns: int, samples: list[StageSample], charged: Any) -> StreamSummary:
+    first = root_start_ns + int(stream.first_chunk_ms * 1e6)
+    before, between = split_phases(first, first + int(stream.streaming_ms * 1e6), samples, charged)
+    return stream._replace(
+        first_chunk_breakdown=before,
+        gap_breakdown=between,
+        first_chunk_bottleneck=max(before, key=before.__getitem__) if before else None,
+        gap_bottleneck=max(between, key=between.__getitem__) if between else None,
     )
 
 
@@ -90,6 +128,15 @@ def _typed(value: Any, kind: type) -> Any:
     return value if isinstance(value, kind) else None
 
 
+def _compressed(a: dict[str, Any]) -> CompressedInfo | None:
+    count = _typed(a.get(c.COMPRESSED_COUNT), int)
+    if not count:
+        return None
+    keys = (c.COMPRESSED_SUM_MS, c.COMPRESSED_MIN_MS, c.COMPRESSED_MAX_MS)
+    ns = [int((_float(a.get(key)) or 0.0) * 1e6) for key in keys]
+    return CompressedInfo(count, *ns)
+
+
 def _sample(span: Span, parent_stage: str) -> StageSample:
     a = span.attributes
     return StageSample(
@@ -102,6 +149,7 @@ def _sample(span: Span, parent_stage: str) -> StageSample:
         on_event_loop=bool(a.get(c.ON_EVENT_LOOP, False)),
         **{name: _typed(a.get(key), kind) for name, key, kind in c.STAGE_SIGNALS},
         batch=batch_from_attributes(a, (int(span.links[0][0], 16), int(span.links[0][1], 16)) if span.links else None),
+        compressed=_compressed(a),
     )
 
 
@@ -120,13 +168,17 @@ def verdict_for_trace(
     for s in spans:
         if c.STAGE not in s.attributes or s is root or s.attributes.get(c.LATE):
             continue
+        if s.attributes.get(c.COMPRESSED_SLOWEST):
+            continue  # a composite's slowest occurrence, shown beside it and counted in it
         parent, hops = by_id.get(s.parent_span_id), 0
         while parent is not None and c.STAGE not in parent.attributes and hops < 256:
             parent, hops = by_id.get(parent.parent_span_id), hops + 1
         samples.append(_sample(s, parent.span_id if parent is not None and c.STAGE in parent.attributes else ""))
     threshold = _float(root.attributes.get(c.SLOW_THRESHOLD_MS)) or slow_threshold_ms
     analysis = analyse_trace(root.start_ns, root.end_ns, samples, threshold)
+    stream = stream_from_attributes(root)
     signals = TraceSignals(
+        stream=_with_phases(stream, root.start_ns, samples, analysis.charged_ms) if stream else None,
         gpu_utilization=_float(root.attributes.get(c.GPU_UTILIZATION)),
         gil_pressure_ms=_float(root.attributes.get(c.GIL_PRESSURE_MS)),
         cpu_pressure_ms=_float(root.attributes.get(c.CPU_PRESSURE_MS)),
@@ -141,6 +193,7 @@ def verdict_for_trace(
         diagnoses=diagnose(analysis, samples, signals, thresholds or DiagnosisThresholds()),
         route=route if isinstance(route, str) else None,
         signals=signals,
+        gen_ai=_gen_ai(root.attributes),
     )
 
 
