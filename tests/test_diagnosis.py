@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import rules_that_cannot_fire
 from stagetrace.analysis import BatchInfo, DiagnosisThresholds, StageSample, TraceSignals, analyse_trace, diagnose
-from stagetrace.analysis.diagnosis import ADVICE, RULE_CODES
+from stagetrace.analysis.diagnosis import ADVICE, RULE_CODES, RULES
 from stagetrace.analysis.streams import StreamSummary
 
 MS = 1_000_000
@@ -28,8 +30,106 @@ def test_healthy_trace_fires_nothing():
     assert run(HEALTHY, signals=TraceSignals(gpu_utilization=0.9, gil_pressure_ms=0.1, loop_lag_ms=1)) == {}
 
 
-def test_every_rule_has_advice():
-    assert set(ADVICE) == set(RULE_CODES)
+class RecordingThresholds:
+    """DiagnosisThresholds that note which fields are read."""
+
+    def __init__(self, real: DiagnosisThresholds) -> None:
+        self._real = real
+        self.read: set[str] = set()
+
+    def __getattr__(self, name: str):
+        self.read.add(name)
+        return getattr(self._real, name)
+
+
+KINDS = ("cpu", "io", "wait", "gpu", "h2d", "d2h")
+
+
+@st.composite
+def traces(draw):
+    """Stages and signals of every kind the rules read, with values around their thresholds."""
+    ms = st.floats(0, 400, allow_nan=False) | st.none()
+    stages = []
+    for i in range(draw(st.integers(0, 6))):
+        start = draw(st.integers(0, 300))
+        end = start + draw(st.integers(0, 300))
+        batch = None
+        if draw(st.booleans()):
+            batch = BatchInfo(
+                "b",
+                4,
+                draw(st.integers(1, 16)),
+                0,
+                1,
+                draw(st.sampled_from((0, 8, 16))),
+                *draw(st.sampled_from(((0, 0), (1, 2)))),
+                draw(ms),
+                draw(ms),
+            )
+        stages.append(
+            StageSample(
+                draw(st.sampled_from(("decode", "infer", "event_loop.wait", f"s{i}"))),
+                draw(st.sampled_from(KINDS)),
+                start * MS,
+                end * MS,
+                i + 1,
+                blocked_ms=draw(ms),
+                runqueue_ms=draw(ms),
+                not_gil_ms=draw(ms),
+                others_runqueue_ms=draw(ms),
+                on_event_loop=draw(st.booleans()),
+                queue_saturated=draw(st.sampled_from((None, True, False))),
+                h2d_bytes=draw(st.sampled_from((None, 1 << 20))),
+                h2d_pinned=draw(st.sampled_from((None, False, True))),
+                gpu_ms=draw(ms),
+                batch=batch,
+            )
+        )
+    stream = None
+    if draw(st.booleans()):
+        stream = StreamSummary(
+            draw(st.integers(1, 100)),
+            10.0,
+            draw(st.floats(0, 300)),
+            draw(ms),
+            draw(ms),
+            draw(ms),
+            draw(st.floats(0, 300)),
+            False,
+            None,
+            None,
+            {},
+            {"decode": draw(st.floats(0, 300))},
+            None,
+        )
+    signals = TraceSignals(
+        gpu_utilization=draw(st.floats(0, 1) | st.none()),
+        gil_pressure_ms=draw(st.floats(0, 10) | st.none()),
+        cpu_pressure_ms=draw(st.floats(0, 10) | st.none()),
+        loop_lag_ms=draw(ms),
+        loop_held_ms=draw(ms),
+        stream=stream,
+    )
+    return stages, signals
+
+
+@settings(max_examples=300, deadline=None)
+@given(traces())
+def test_each_rule_reads_only_the_thresholds_it_declares(trace):
+    stages, signals = trace
+    analysis = analyse_trace(0, 400 * MS, stages, 200)
+    for rule in RULES:
+        th = RecordingThresholds(DiagnosisThresholds())
+        rule.check(analysis, stages, signals, th)  # type: ignore[arg-type]
+        assert th.read <= set(rule.thresholds), (rule.code, th.read - set(rule.thresholds))
+
+
+def test_every_threshold_belongs_to_a_rule_and_every_rule_has_advice():
+    declared = {name for rule in RULES for name in rule.thresholds}
+    fields = set(DiagnosisThresholds.__dataclass_fields__)
+    assert declared == fields, (declared - fields, fields - declared)
+    assert all(rule.advice.strip() and rule.code.isupper() for rule in RULES)
+    assert len({rule.code for rule in RULES}) == len(RULES)
 
 
 def test_gpu_starved_needs_low_utilisation_and_cpu_majority():

@@ -21,9 +21,8 @@ from opentelemetry.trace import get_current_span
 import stagetrace
 from stagetrace import _state
 from stagetrace import conventions as c
-from stagetrace.analysis import DiagnosisThresholds, StageSample, analyse_trace, diagnose
+from stagetrace.analysis import DiagnosisThresholds, StageSample, TraceSignals, analyse_trace, diagnose
 from stagetrace.analysis.breakdown import TraceAnalysis
-from stagetrace.analysis.diagnosis import TraceSignals
 from stagetrace.analysis.model import CompressedInfo
 from stagetrace.analysis.streams import StreamFields, StreamSummary, quantile, summarise_stream
 from stagetrace.capture.stage import _perf_ns, add_stage
@@ -465,9 +464,7 @@ def test_the_report_reads_streams_and_composites_back(make_harness, tmp_path, st
 
 
 @pytest.mark.parametrize("telemetry", ["native", "contrib"])
-def test_a_generator_that_raises_mid_stream_ends_the_root_with_the_error_and_keeps_its_stages(
-    make_harness, telemetry
-):
+def test_a_generator_that_raises_mid_stream_ends_the_root_with_the_error_and_keeps_its_stages(make_harness, telemetry):
     h = make_harness()
     app = FastAPI()
 

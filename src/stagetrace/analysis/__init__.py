@@ -2,18 +2,18 @@
 so the exporter and `stagetrace report` share one implementation and tests need no fixtures."""
 
 from stagetrace.analysis.breakdown import TraceAnalysis, analyse_trace, union_length_ns
-from stagetrace.analysis.diagnosis import (
-    Diagnosis,
-    DiagnosisThresholds,
-    TraceSignals,
-    diagnose,
-)
-from stagetrace.analysis.model import BatchInfo, StageLike, StageSample, batch_info
+from stagetrace.analysis.causes import BlockedCause, blocked_cause
+from stagetrace.analysis.diagnosis import RULES, Diagnosis, DiagnosisRule, diagnose
+from stagetrace.analysis.model import BatchInfo, StageLike, StageSample, TraceSignals, batch_info
+from stagetrace.analysis.thresholds import DiagnosisThresholds
 from stagetrace.analysis.verdict import Verdict, build_verdict
 
 __all__ = [
+    "RULES",
     "BatchInfo",
+    "BlockedCause",
     "Diagnosis",
+    "DiagnosisRule",
     "DiagnosisThresholds",
     "StageLike",
     "StageSample",
@@ -22,6 +22,7 @@ __all__ = [
     "Verdict",
     "analyse_trace",
     "batch_info",
+    "blocked_cause",
     "build_verdict",
     "diagnose",
     "union_length_ns",

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    from stagetrace.analysis.streams import StreamSummary
 
 
 class BatchInfo(NamedTuple):
@@ -155,3 +158,20 @@ class StageSample:
         if self.compressed is not None:
             return self.compressed.max_ns / 1e6
         return max(0, self.end_ns - self.start_ns) / 1e6
+
+
+class TraceSignals(NamedTuple):
+    """Process-level signals over the trace's time window, joined in by the exporter (None: not measured).
+    A named tuple, not a frozen dataclass: one is made for every trace, and a tuple is made in a third of
+    the time."""
+
+    gpu_utilization: float | None = None
+    gil_pressure_ms: float | None = None
+    cpu_pressure_ms: float | None = None  # how long the GIL sampler's wake-ups waited for a CPU (mean)
+    loop_lag_ms: float | None = None
+    loop_held_ms: float | None = None  # of the worst loop stall, what work on the loop's own thread explains
+    blocked_by: tuple[str, ...] = ()  # the stages that held the loop while the request waited ("<stage>@<trace id>")
+    stream: StreamSummary | None = None  # its response streamed: chunks, gaps, phases
+
+
+NO_SIGNALS = TraceSignals()

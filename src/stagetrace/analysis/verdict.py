@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stagetrace.analysis.breakdown import TraceAnalysis
-from stagetrace.analysis.diagnosis import Diagnosis, TraceSignals
+from stagetrace.analysis.diagnosis import Diagnosis
+from stagetrace.analysis.model import TraceSignals
 from stagetrace.analysis.streams import StreamSummary
 from stagetrace.conventions import UNTRACKED
 

@@ -1,0 +1,165 @@
+"""Why a CPU stage was blocked: the GIL, a lock or I/O, GIL holders the scheduler preempted, or
+undetermined, read from the stage's own scheduler counts and the process's GIL and CPU pressure. Pure; the
+rules that name a cause (``diagnosis.py``) each take the stages of theirs, so no stage's blocked time is
+given two causes."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+
+from stagetrace.analysis.model import StageLike, TraceSignals
+from stagetrace.analysis.thresholds import DiagnosisThresholds
+
+
+def cpu_stages(stages: Sequence[StageLike], th: DiagnosisThresholds) -> list[StageLike]:
+    """The CPU stages long enough for a per-stage rule."""
+    return [s for s in stages if s.kind == "cpu" and s.wall_ms >= th.min_stage_ms]
+
+
+def at_least(ms: float | None, floor_ms: float, share: float, s: StageLike) -> bool:
+    return ms is not None and ms >= max(floor_ms, share * s.wall_ms)
+
+
+def waited_for_cpu(s: StageLike, th: DiagnosisThresholds) -> bool:
+    return at_least(s.runqueue_ms, th.runqueue_min_ms, th.runqueue_share, s)
+
+
+def host_out_of_cpus(sig: TraceSignals, th: DiagnosisThresholds) -> bool:
+    return sig.cpu_pressure_ms is not None and sig.cpu_pressure_ms >= th.cpu_pressure_ms
+
+
+def queued_share(s: StageLike) -> float:
+    """The share of the stage's time off the CPU that it spent in the run queue."""
+    rq = s.runqueue_ms or 0.0
+    off_cpu = rq + (s.blocked_ms or 0.0)
+    return rq / off_cpu if off_cpu > 0 else 0.0
+
+
+def short_of_cpus(stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds) -> bool:
+    """The process's threads waited for CPUs during the request (the sampler's wake-ups did, or a stage's)."""
+    return (sig.cpu_pressure_ms or 0.0) >= th.quiet_cpu_pressure_ms or any(
+        (s.runqueue_ms or 0.0) >= th.queued_min_ms and queued_share(s) >= th.quiet_share for s in cpu_stages(stages, th)
+    )
+
+
+def gil_explainable_ms(s: StageLike) -> float:
+    """The part of a stage's blocked time that waits for the GIL could account for."""
+    return (s.blocked_ms or 0.0) - (s.not_gil_ms or 0.0)
+
+
+def proven_not_gil(s: StageLike, th: DiagnosisThresholds) -> bool:
+    return at_least(s.not_gil_ms, th.blocked_min_ms, th.blocked_share, s)
+
+
+def blocked_ms(s: StageLike) -> float:
+    return s.blocked_ms or 0.0
+
+
+class BlockedCause(enum.Enum):
+    """Why a CPU stage was blocked (off-CPU, not waiting for a CPU), as far as the signals can tell."""
+
+    GIL = "gil"
+    LOCK = "lock"
+    PREEMPTED_HOLDERS = "preempted holders"
+    UNDETERMINED = "undetermined"
+
+
+GIL, LOCK, PREEMPTED_HOLDERS, UNDETERMINED = BlockedCause
+
+
+def _cause_not_preemption(
+    s: StageLike, sig: TraceSignals, th: DiagnosisThresholds, preempted_ms: float
+) -> BlockedCause:
+    """The cause of blocked time that preempted holders do not explain (all but ``preempted_ms`` of it):
+
+    - LOCK: the stage's own scheduler counts prove that much of it was in waits longer than any wait for the
+      GIL (``not_gil_ms``), or the GIL sampler found the GIL free;
+    - GIL: waits as short as GIL waits, beyond ``preempted_ms``, while the sampler found the GIL contended;
+    - UNDETERMINED: GIL pressure not measured, or between free and contended.
+    """
+    if proven_not_gil(s, th):
+        return LOCK
+    pressure = sig.gil_pressure_ms
+    gil_like = at_least(gil_explainable_ms(s) - preempted_ms, th.blocked_min_ms, th.blocked_share, s)
+    if gil_like and pressure is not None and pressure >= th.gil_pressure_ms:
+        return GIL
+    if pressure is not None and pressure < th.gil_free_ms:
+        return LOCK
+    return UNDETERMINED
+
+
+def queued_for_cpu(s: StageLike, th: DiagnosisThresholds) -> bool:
+    return (s.runqueue_ms or 0.0) >= th.queued_min_ms and queued_share(s) >= th.queued_share
+
+
+def cpus_to_spare(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> bool:
+    return queued_share(s) < th.quiet_share and (sig.cpu_pressure_ms or 0.0) < th.quiet_cpu_pressure_ms
+
+
+def blocked_cause(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> BlockedCause | None:
+    """None when the stage was not blocked enough to matter; else what its blocked time was.
+
+    With CPUs to spare (the stage's wake-ups barely queued for a CPU, nor did the sampler's):
+
+    - LOCK: its own scheduler counts prove that much of it was in waits longer than any wait for the GIL
+      (``not_gil_ms``), or the GIL sampler found the GIL free.
+    - GIL: waits as short as GIL waits while the sampler found the GIL contended.
+
+    On a host out of CPUs a thread holding the GIL is preempted as often as it runs, every other thread waits
+    on it, and the one made to drop the GIL waits, untimed, for a successor stuck in the run queue:
+
+    - PREEMPTED_HOLDERS: waits as short as GIL waits; CPU_OVERSUBSCRIBED's cause and remedy, not GIL
+      contention's. Always when the stage's own wake-ups queued for a CPU (the GIL sampler, a sleeper the
+      scheduler favours, queues less than the threads beside it); when only the sampler's did, unless its
+      GIL waits were a whole switch interval and far longer than its waits for a CPU (holders running
+      Python through their interval): then GIL, as it is on a host a little short of CPUs.
+
+    - LOCK: the GIL sampler found the GIL free: a holder the scheduler preempted keeps the GIL and would have
+      held the sampler's wake-ups back too (the stage's own wait for a CPU is its run-queue time, named
+      CPU_OVERSUBSCRIBED on its own when it is long).
+
+    Unless preemption cannot account for it: every wait on a preempted holder, or on the GIL handed to a
+    thread still queued for a CPU, is run-queue time of another thread of the process, so when the blocked
+    time less all of theirs meanwhile (``others_runqueue_ms``) still matters, the host's shortage does not
+    explain it and the cause is judged as with CPUs to spare, on that remainder.
+
+    UNDETERMINED otherwise: GIL pressure not measured or between free and contended, long waits on a host
+    short of CPUs (a lock, or the GIL handed to a thread stuck in the run queue), short ones on a host a little
+    short of CPUs. Naming a cause there would be a guess.
+    """
+    if not at_least(s.blocked_ms, th.blocked_min_ms, th.blocked_share, s):
+        return None
+    if cpus_to_spare(s, sig, th):
+        return _cause_not_preemption(s, sig, th, 0.0)
+    preempted_at_most = s.others_runqueue_ms
+    if preempted_at_most is not None and at_least(
+        blocked_ms(s) - preempted_at_most, th.blocked_min_ms, th.blocked_share, s
+    ):
+        return _cause_not_preemption(s, sig, th, preempted_at_most)
+    proven = proven_not_gil(s, th)
+    gil_like = at_least(gil_explainable_ms(s), th.blocked_min_ms, th.blocked_share, s)
+    pressure = sig.gil_pressure_ms
+    # A GIL the sampler found free was neither held nor with a holder the scheduler had preempted.
+    free = pressure is not None and pressure < th.gil_free_ms
+    if free:
+        return LOCK
+    if proven or not gil_like:
+        return UNDETERMINED
+    if queued_for_cpu(s, th):
+        return PREEMPTED_HOLDERS
+    held = (
+        pressure is not None and pressure >= th.gil_held_ms and pressure >= th.gil_over_cpu * (sig.cpu_pressure_ms or 0)
+    )
+    if held:
+        return GIL
+    return PREEMPTED_HOLDERS if host_out_of_cpus(sig, th) else UNDETERMINED
+
+
+# The part of a blocked stage's time each cause accounts for (what ranks the stages of one cause).
+EXPLAINED_BY: dict[BlockedCause, Callable[[StageLike], float]] = {
+    LOCK: blocked_ms,
+    GIL: gil_explainable_ms,
+    PREEMPTED_HOLDERS: gil_explainable_ms,
+    UNDETERMINED: blocked_ms,
+}
