@@ -35,7 +35,7 @@ machine is doing meanwhile, so the ratio of their throughputs is the inverse rat
 each whole tree. Each server then runs at half the rate it reaches alone, so per-second costs (a sampler's
 wake-ups) weigh twice what they weigh on a full core. Rounds rotate the order of the pairs; the tables give
 the median and range of the rounds' ratios, and CPU a request by where it is paid (the event loop, the
-request threads, stagetrace's helper and GIL sampler, the SDK's export thread, the exporter process) less
+request threads, stagetrace's helper and GIL monitor, the SDK's export thread, the exporter process) less
 the baseline's in the same co-run.
 
 Targets (both workloads), from the issue that set them: throughput >= 0.97 x the baseline (contrib-only
@@ -45,7 +45,7 @@ beyond: 0.1 x and 0.25 x, and >= 1.10 x handwritten's throughput.
 
 ``--instructions`` counts what a request costs in instructions (valgrind's callgrind, per process and per
 thread, zeroed after a warm-up and dumped after ``--requests`` requests two at a time), which this VM's
-noise does not move. The GIL sampler and the loop-lag monitor wake on wall time, which valgrind stretches,
+noise does not move. The GIL monitor and the loop-lag monitor wake on wall time, which valgrind stretches,
 so they are off there and their cost per second is in the tables above and in ``benchmarks/idle_cost.py``;
 the service is kept healthy (``DiagnosisThresholds.silent()``: under valgrind every request would be slow
 and oversubscribed, and so kept), so the default exports nothing and ``stagetrace-all`` everything.
@@ -316,7 +316,7 @@ THREAD_ROLES = (
     ("loop", ("MainThread",)),
     ("request threads", ("AnyIO worker thread",)),
     ("stagetrace helper", ("stagetrace-shipper",)),
-    ("GIL sampler", ("stagetrace-gil",)),
+    ("GIL monitor", ("stagetrace-gil",)),
     ("SDK export", ("OtelBatch", "OtelPeriodicExportingMetricReader")),
 )
 ROLES = (*(role for role, _ in THREAD_ROLES), "other", "exporter process")
@@ -741,7 +741,7 @@ def instructions_main(args: argparse.Namespace, sink_port: int) -> bool:
     parts = ("loop", "other threads", "server", "exporter process", "tree")
     print(
         f"\ne2e --instructions, {workload} workload: instructions a request (callgrind; {args.requests} requests two "
-        f"at a time after a warm-up; the GIL sampler and the loop-lag monitor off, their cost per second apart)"
+        f"at a time after a warm-up; the GIL monitor and the loop-lag monitor off, their cost per second apart)"
     )
     print(f"{'variant':18} " + " ".join(f"{p:>16}" for p in parts) + f" {'tree added':>12}")
     base = rows["contrib-only"]

@@ -17,7 +17,7 @@ import sys
 from collections import Counter
 
 from stagetrace.exporter.budget import BudgetLimits, ExportBudget, signature_of
-from stagetrace.exporter.sampling import Keep
+from stagetrace.exporter.keep import Keep
 from stagetrace.settings import Settings
 
 SECONDS = 600

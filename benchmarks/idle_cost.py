@@ -4,7 +4,7 @@
 
 Each variant in a fresh application process, side by side: ``configure()``, then ``--seconds`` with nothing
 to do (idle) or with one trace held open the whole time (a request in flight: the samplers run). Per
-second: the process's CPU time (``time.process_time``, every thread) and the GIL sampler thread's wake-ups (its
+second: the process's CPU time (``time.process_time``, every thread) and the GIL monitor thread's wake-ups (its
 schedstat's count of times scheduled in, ``/proc/self/task/<tid>/schedstat``).
 """
 
@@ -48,9 +48,9 @@ print(json.dumps({"cpu_ms_per_s": (c1 - c0) * 1e3 / seconds, "wakeups_per_s": (w
 """
 
 VARIANTS = {
-    "GIL sampler off (gil_sampler_period_s=0)": ("0", "0"),
+    "GIL monitor off (gil_sampler_period_s=0)": ("0", "0"),
     "default, idle (no trace in flight)": ("0", "0.01"),
-    "GIL sampler off, one trace in flight all along": ("1", "0"),
+    "GIL monitor off, one trace in flight all along": ("1", "0"),
     "default, one trace in flight all along": ("1", "0.01"),
 }
 
@@ -61,7 +61,7 @@ def main() -> None:
     args = ap.parse_args()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
     print(f"{args.seconds:.0f} s per variant, each in a fresh process")
-    print("| variant | application CPU ms/s | GIL sampler wake-ups /s |")
+    print("| variant | application CPU ms/s | GIL monitor wake-ups /s |")
     print("|---|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         for name, (in_flight, period) in VARIANTS.items():

@@ -17,7 +17,7 @@ CPU time, which is steadier than wall time on a shared VM.
 process), which move well under 1 % between runs where CPU times move 20 %: each variant runs a root and
 five children N and 2N times, so start-up cancels, and once more with no children, so the root cancels.
 Counted apart: the request thread, the application's other threads (the helper thread: packing and the
-pipe; the GIL sampler is off, since it wakes on wall time, which valgrind stretches) and the exporter
+pipe; the GIL monitor is off, since it wakes on wall time, which valgrind stretches) and the exporter
 process (analysis, metrics, spans and OTLP encoding of every trace, sent to a sink that drops them).
 Needs ``apt-get install valgrind``.
 """

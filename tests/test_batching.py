@@ -13,9 +13,9 @@ import pytest
 import stagetrace
 from conftest import both_modes, rules_that_cannot_fire
 from stagetrace import conventions as c
+from stagetrace.common import wire
 from stagetrace.exporter import spans as sp
-from stagetrace.exporter.sampling import PendingBatches, RecentDecisions
-from stagetrace.handoff import wire
+from stagetrace.exporter.keep import PendingBatches, RecentDecisions
 
 export_mode = both_modes
 

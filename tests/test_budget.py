@@ -10,7 +10,7 @@ import pytest
 import stagetrace
 from stagetrace import conventions as c
 from stagetrace.exporter.budget import SLOWEST_MARGIN, BudgetLimits, ExportBudget, signature_of
-from stagetrace.exporter.sampling import Keep
+from stagetrace.exporter.keep import Keep
 from stagetrace.settings import Settings, export_budget_from_env
 
 LIMITS = BudgetLimits(per_s=20.0, burst=40.0, signature_per_s=5.0, signature_burst=10.0)
@@ -147,7 +147,7 @@ def test_over_the_budget_traces_are_counted_and_metrics_see_them_all(make_harnes
 
 def test_an_errored_trace_is_an_error_first_whatever_else_it_is():
     from stagetrace.analysis import Verdict
-    from stagetrace.exporter.sampling import decide
+    from stagetrace.exporter.keep import decide
 
     slow = Verdict(
         trace_id="ab" * 16,

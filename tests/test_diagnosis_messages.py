@@ -255,7 +255,7 @@ def test_a_blocked_stage_without_a_gil_reading_says_what_was_measured():
     assert set(found) == {"OFF_CPU_WAIT"}
     assert only(found, "OFF_CPU_WAIT") == (
         "'tokenize' was off-CPU 25.0 ms of its 64.0 ms, for the GIL or for a lock or I/O, and the signals cannot "
-        "tell which: the request spanned too few GIL-sampler wake-ups to measure GIL pressure",
+        "tell which: the request spanned too few GIL-monitor wake-ups to measure GIL pressure",
         "tokenize",
     )
 

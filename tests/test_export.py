@@ -138,7 +138,7 @@ def test_nothing_configured_means_no_connection_attempts(tmp_path):
 
 
 def test_json_lines_file_rotates_at_its_cap(tmp_path):
-    from stagetrace.export.files import JsonLinesSpanExporter
+    from stagetrace.destinations.files import JsonLinesSpanExporter
 
     exporter = JsonLinesSpanExporter(tmp_path / "t.jsonl", max_bytes=4000)
     handle = stagetrace.configure("rot", span_exporter=exporter, set_global=False)

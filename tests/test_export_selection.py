@@ -12,13 +12,13 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-from stagetrace.export.env import (
+from stagetrace.destinations.env import (
     metric_export_from_env,
     metric_readers_from_env,
     span_export_from_env,
     span_exporters_from_env,
 )
-from stagetrace.export.files import JsonLinesSpanExporter
+from stagetrace.destinations.files import JsonLinesSpanExporter
 
 VARS = (
     "OTEL_TRACES_EXPORTER",

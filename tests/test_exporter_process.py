@@ -17,8 +17,8 @@ import pytest
 
 import stagetrace
 from stagetrace import conventions as c
-from stagetrace.exporter.sampling import in_healthy_share
-from stagetrace.handoff.channel import FrameReader, encode_frame
+from stagetrace.common.channel import FrameReader, encode_frame
+from stagetrace.exporter.keep import in_healthy_share
 from stagetrace.settings import Settings
 
 

@@ -28,9 +28,9 @@ from opentelemetry.trace import (
     set_span_in_context,
 )
 
+from stagetrace.common import wire
 from stagetrace.exporter.otlp_encoding import TraceRequestEncoder
 from stagetrace.exporter.otlp_sink import WireBatchSink
-from stagetrace.handoff import wire
 
 RESOURCE = {"service.name": "enc-test", "service.version": "1.2", "host.cpus": 2, "deployment.canary": False}
 

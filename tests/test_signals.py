@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stagetrace.exporter.signals import LagSeries, flatten, max_loop_lag_ms
+from stagetrace.common.wire import flatten
+from stagetrace.exporter.signals import LagSeries, max_loop_lag_ms
 
 MS = 1_000_000
 
@@ -139,7 +140,7 @@ def test_the_process_run_queue_total_grows_with_every_thread_but_the_one_reading
 
 
 def test_blocked_time_within_one_gil_wait_per_slice_proves_nothing():
-    from stagetrace.exporter.signals import GIL_WAIT_MARGIN_MS, not_gil_ms
+    from stagetrace.common.schedstat import GIL_WAIT_MARGIN_MS, not_gil_ms
 
     bound = 5.0 + GIL_WAIT_MARGIN_MS
     assert not_gil_ms(0.0, 0, 5.0) == 0.0
@@ -149,7 +150,7 @@ def test_blocked_time_within_one_gil_wait_per_slice_proves_nothing():
 
 
 def test_blocked_time_beyond_a_gil_wait_per_slice_is_proven_a_wait_of_another_kind():
-    from stagetrace.exporter.signals import GIL_WAIT_MARGIN_MS, not_gil_ms
+    from stagetrace.common.schedstat import GIL_WAIT_MARGIN_MS, not_gil_ms
 
     bound = 5.0 + GIL_WAIT_MARGIN_MS
     assert not_gil_ms(40.0, 1, 5.0) == 40.0  # one stretch of 40 ms: no GIL wait lasts that long
@@ -167,7 +168,7 @@ def test_blocked_time_beyond_a_gil_wait_per_slice_is_proven_a_wait_of_another_ki
 def test_not_gil_never_claims_more_than_the_waits_that_were_not_the_gil(gil_waits, other_waits, extra_slices):
     """Any mix of GIL waits (each within the switch interval and its margin) and other waits, with at least
     one slice per stretch (preemptions add more): the proven part never exceeds the other waits."""
-    from stagetrace.exporter.signals import not_gil_ms
+    from stagetrace.common.schedstat import not_gil_ms
 
     blocked = sum(gil_waits) + sum(other_waits)
     slices = len(gil_waits) + len(other_waits) + extra_slices
@@ -209,7 +210,7 @@ def _schedstat(cpu_ms: float, rq_ms: float, slices: int) -> bytes:
 
 
 def test_a_stall_the_loop_thread_spent_running_or_in_a_blocking_call_is_held_by_work_on_it():
-    from stagetrace.exporter.signals import loop_held_ms
+    from stagetrace.common.schedstat import loop_held_ms
 
     start = _schedstat(0, 0, 10)
     # 50 ms sleep asked, 130 ms elapsed: 10 ms idle, then 120 ms of CPU on the loop thread. A lower bound: how
@@ -220,7 +221,7 @@ def test_a_stall_the_loop_thread_spent_running_or_in_a_blocking_call_is_held_by_
 
 
 def test_a_stall_the_loop_thread_spent_waiting_for_the_gil_or_a_cpu_is_not():
-    from stagetrace.exporter.signals import loop_held_ms
+    from stagetrace.common.schedstat import loop_held_ms
 
     start = _schedstat(0, 0, 10)
     # 40 ms idle (one stretch), then 90 ms of GIL waits of a few ms each (30 stretches), 5 ms of CPU
@@ -238,7 +239,7 @@ def test_the_loop_monitor_tells_work_on_the_loop_from_an_idle_loop():
     lags by no more than its timer."""
     import asyncio
 
-    from stagetrace.capture.samplers import LoopLagMonitor
+    from stagetrace.capture.monitors import LoopLagMonitor
 
     def spin(ms: float) -> None:  # ms of this thread's CPU time: on a loaded host it holds the loop longer
         end = time.thread_time() + ms / 1000
@@ -264,11 +265,11 @@ def test_the_loop_monitor_tells_work_on_the_loop_from_an_idle_loop():
 
 
 def test_the_gil_sampler_sleeps_while_no_trace_is_in_flight_and_wakes_with_the_first():
+    from stagetrace.capture.monitors import GilPressureMonitor
     from stagetrace.capture.registry import TraceRegistry
-    from stagetrace.capture.samplers import GilPressureSampler
 
     registry = TraceRegistry(16, 60.0, lambda reason, n: None)
-    sampler = GilPressureSampler(0.002, in_flight=registry.__len__)
+    sampler = GilPressureMonitor(0.002, in_flight=registry.__len__)
     registry.idle_wake = sampler.wake
     sampler.ensure_running()
     try:
@@ -290,7 +291,7 @@ def test_the_gil_sampler_sleeps_while_no_trace_is_in_flight_and_wakes_with_the_f
         sampler.stop()
 
 
-# --- a trace waits for the GIL sampler's first wake-up after its end ------------------------------------------
+# --- a trace waits for the GIL monitor's first wake-up after its end ------------------------------------------
 
 
 def test_a_trace_waits_for_the_samplers_reading_after_its_end_with_what_came_after_it(monkeypatch):
@@ -333,11 +334,11 @@ def test_a_trace_waits_for_the_samplers_reading_after_its_end_with_what_came_aft
 
 
 def test_the_gil_sampler_covers_a_trace_once_it_woke_after_its_end_or_went_idle():
+    from stagetrace.capture.monitors import GilPressureMonitor
     from stagetrace.capture.registry import TraceRegistry
-    from stagetrace.capture.samplers import GilPressureSampler
 
     registry = TraceRegistry(16, 60.0, lambda reason, n: None)
-    sampler = GilPressureSampler(0.005, in_flight=registry.__len__)
+    sampler = GilPressureMonitor(0.005, in_flight=registry.__len__)
     registry.idle_wake = sampler.wake
     assert sampler.covers(time.time_ns() + 10**12)  # not running: nothing to wait for
     sampler.ensure_running()

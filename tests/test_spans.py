@@ -8,8 +8,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from stagetrace import conventions as c
 from stagetrace.analysis import BatchInfo, Diagnosis, Verdict
+from stagetrace.common import wire
 from stagetrace.exporter import spans as sp
-from stagetrace.handoff import wire
 from stagetrace.settings import MAX_LINKS_PER_SPAN
 
 F = wire.SPAN_INDEX

@@ -26,8 +26,8 @@ from stagetrace.analysis.breakdown import TraceAnalysis
 from stagetrace.analysis.model import CompressedInfo
 from stagetrace.analysis.streams import StreamFields, StreamSummary, quantile, summarise_stream
 from stagetrace.capture.stage import _perf_ns, add_stage
+from stagetrace.common import wire
 from stagetrace.exporter.core import fold_repeated
-from stagetrace.handoff import wire
 from stagetrace.settings import KEEP_REPEATS
 from stagetrace.testing.load import free_port
 

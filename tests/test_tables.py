@@ -9,8 +9,8 @@ from types import SimpleNamespace
 from stagetrace import conventions as c
 from stagetrace.analysis import Diagnosis, StageSample, Verdict
 from stagetrace.capture.records import StageRecord
+from stagetrace.common import wire
 from stagetrace.exporter import spans as sp
-from stagetrace.handoff import wire
 from stagetrace.report.loader import Span
 from stagetrace.report.traces import _sample, _stored_verdict
 

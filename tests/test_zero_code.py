@@ -168,7 +168,7 @@ def test_attach_to_a_users_provider_flushes_and_detaches_cleanly():
 
     import stagetrace
     from stagetrace import conventions as c
-    from stagetrace.setup import attach
+    from stagetrace.configuration import attach
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider(shutdown_on_exit=False)

@@ -18,9 +18,9 @@ from stagetrace.analysis import Diagnosis, DiagnosisThresholds, Verdict
 from stagetrace.capture.batch import Ticket, batch, enqueue
 from stagetrace.capture.stage import current_stage, pipeline, stage
 from stagetrace.capture.streams import generation
+from stagetrace.configuration import StagetraceHandle, configure
 from stagetrace.profiler import InferencePipelineProfiler
 from stagetrace.settings import Settings
-from stagetrace.setup import StagetraceHandle, configure
 
 __all__ = [
     "Diagnosis",

@@ -14,8 +14,8 @@ from stagetrace._version import __version__
 from stagetrace.analysis import Verdict
 from stagetrace.capture.cpu import CpuSignals
 from stagetrace.capture.loopblocks import LoopBlockBuffer
+from stagetrace.capture.monitors import GilPressureMonitor, LoopLagMonitor
 from stagetrace.capture.registry import TraceRegistry
-from stagetrace.capture.samplers import GilPressureSampler, LoopLagMonitor
 from stagetrace.conventions import INSTRUMENTATION_NAME
 from stagetrace.exporter.aggregation import AggregatedMetrics
 from stagetrace.exporter.core import ExporterCore
@@ -80,7 +80,7 @@ class Runtime:
         self.exporter_config = exporter_config
         self.gil_sampler = None
         if settings.gil_sampler_period_s:
-            self.gil_sampler = GilPressureSampler(settings.gil_sampler_period_s, in_flight=self.registry.__len__)
+            self.gil_sampler = GilPressureMonitor(settings.gil_sampler_period_s, in_flight=self.registry.__len__)
             self.registry.idle_wake = self.gil_sampler.wake
         self.loop_monitor = LoopLagMonitor(settings.loop_lag_interval_s, gil_wait_bound_s=settings.gil_wait_bound_s)
         sources: dict[str, Any] = {LOOP_SERIES: self.loop_monitor.series, LOOP_HELD_SERIES: self.loop_monitor.held}

@@ -133,7 +133,7 @@ def loop_blocked(*, blocking: bool) -> Workload:
 def gil_contended(*, hogs: int, work_ms: float = 100, fixed_cpu: bool = False) -> Workload:
     """Each request's pure-Python stage shares the GIL with ``hogs`` threads spinning in Python: by default
     long enough (20 switch intervals) that its share of the GIL is not the luck of a few handoffs; the pairs
-    scenario's 20 ms spans about two of the GIL sampler's periods."""
+    scenario's 20 ms spans about two of the GIL monitor's periods."""
     app = fastapi_app()
 
     @app.get("/tokenize")

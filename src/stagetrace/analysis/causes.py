@@ -74,7 +74,7 @@ def _cause_not_preemption(
     """The cause of blocked time that preempted holders do not explain (all but ``preempted_ms`` of it):
 
     - LOCK: the stage's own scheduler counts prove that much of it was in waits longer than any wait for the
-      GIL (``not_gil_ms``), or the GIL sampler found the GIL free;
+      GIL (``not_gil_ms``), or the GIL monitor found the GIL free;
     - GIL: waits as short as GIL waits, beyond ``preempted_ms``, while the sampler found the GIL contended;
     - UNDETERMINED: GIL pressure not measured, or between free and contended.
     """
@@ -103,19 +103,19 @@ def blocked_cause(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> B
     With CPUs to spare (the stage's wake-ups barely queued for a CPU, nor did the sampler's):
 
     - LOCK: its own scheduler counts prove that much of it was in waits longer than any wait for the GIL
-      (``not_gil_ms``), or the GIL sampler found the GIL free.
+      (``not_gil_ms``), or the GIL monitor found the GIL free.
     - GIL: waits as short as GIL waits while the sampler found the GIL contended.
 
     On a host out of CPUs a thread holding the GIL is preempted as often as it runs, every other thread waits
     on it, and the one made to drop the GIL waits, untimed, for a successor stuck in the run queue:
 
     - PREEMPTED_HOLDERS: waits as short as GIL waits; CPU_OVERSUBSCRIBED's cause and remedy, not GIL
-      contention's. Always when the stage's own wake-ups queued for a CPU (the GIL sampler, a sleeper the
+      contention's. Always when the stage's own wake-ups queued for a CPU (the GIL monitor, a sleeper the
       scheduler favours, queues less than the threads beside it); when only the sampler's did, unless its
       GIL waits were a whole switch interval and far longer than its waits for a CPU (holders running
       Python through their interval): then GIL, as it is on a host a little short of CPUs.
 
-    - LOCK: the GIL sampler found the GIL free: a holder the scheduler preempted keeps the GIL and would have
+    - LOCK: the GIL monitor found the GIL free: a holder the scheduler preempted keeps the GIL and would have
       held the sampler's wake-ups back too (the stage's own wait for a CPU is its run-queue time, named
       CPU_OVERSUBSCRIBED on its own when it is long).
 

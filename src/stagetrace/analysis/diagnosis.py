@@ -156,7 +156,7 @@ def off_cpu_wait(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: Diagno
             "and there a wait can be for a GIL holder the scheduler preempted"
         )
     elif pressure is None:
-        why = "the request spanned too few GIL-sampler wake-ups to measure GIL pressure"
+        why = "the request spanned too few GIL-monitor wake-ups to measure GIL pressure"
     else:
         why = (
             f"GIL pressure {pressure:.1f} ms lies between a free GIL (< {th.gil_free_ms:g} ms) and a contended "
@@ -453,7 +453,7 @@ RULES: tuple[DiagnosisRule, ...] = (
         advice=(
             "The stage waited off the CPU, for the GIL or for a lock or I/O, and the signals could not tell which. "
             "`py-spy dump --pid <pid>` during a slow request shows what it waits on (`py-spy record --gil` whether "
-            "it holds the GIL); a stage that spans several GIL-sampler periods gets a cause named."
+            "it holds the GIL); a stage that spans several GIL-monitor periods gets a cause named."
         ),
         requires=frozenset({Signal.STAGE_CPU}),
         thresholds=(

@@ -167,7 +167,7 @@ class TraceSignals(NamedTuple):
 
     gpu_utilization: float | None = None
     gil_pressure_ms: float | None = None
-    cpu_pressure_ms: float | None = None  # how long the GIL sampler's wake-ups waited for a CPU (mean)
+    cpu_pressure_ms: float | None = None  # how long the GIL monitor's wake-ups waited for a CPU (mean)
     loop_lag_ms: float | None = None
     loop_held_ms: float | None = None  # of the worst loop stall, what work on the loop's own thread explains
     blocked_by: tuple[str, ...] = ()  # the stages that held the loop while the request waited ("<stage>@<trace id>")

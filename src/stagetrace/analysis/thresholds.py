@@ -22,7 +22,7 @@ class DiagnosisThresholds:
     gil_pressure_ms: float = 1.0
     gil_free_ms: float = 0.5
     # Where the blocked time's cause can be told (``blocked_cause``). A host with CPUs to spare: the stage's
-    # run-queue time under quiet_share of its time off the CPU, and the GIL sampler's wake-ups waiting under
+    # run-queue time under quiet_share of its time off the CPU, and the GIL monitor's wake-ups waiting under
     # quiet_cpu_pressure_ms for a CPU. A host out of CPUs: the stage's share at least queued_share, or the
     # sampler's wait at least cpu_pressure_ms. A GIL wait of gil_held_ms (a whole 5 ms switch interval), and
     # gil_over_cpu times the sampler's wait for a CPU, is holders running Python through their interval.

@@ -4,7 +4,7 @@ Per stage (sync stages only: an async stage shares its thread with other tasks),
 reads of ``/proc/thread-self/schedstat`` (on-CPU ns, run-queue wait ns) and nothing else; the exporter
 parses them (``exporter.signals.resolve_cpu``). ``blocked = wall - on-CPU - run-queue``: time the thread
 was off-CPU and not waiting for a CPU, i.e. waiting for the GIL, a lock, I/O or a sleep. Elsewhere than
-Linux, thread CPU time only. The background samplers (GIL pressure, loop lag) are in ``capture.samplers``.
+Linux, thread CPU time only. The background monitors (GIL pressure, loop lag) are in ``capture.monitors``.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class CpuSignals:
 
 
 class ProcessRunQueue:
-    """The run-queue wait of the process's threads, summed, for the GIL sampler's wake-ups.
+    """The run-queue wait of the process's threads, summed, for the GIL monitor's wake-ups.
 
     On a host short of CPUs a wait for the GIL can be a wait for a holder the scheduler preempted (or for the
     thread the GIL was handed to, still in the run queue). Every such stretch is run-queue time of some thread

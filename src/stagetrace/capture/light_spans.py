@@ -34,6 +34,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from stagetrace._compat import clean_attribute_value_as_sdk
 from stagetrace._safety import report_internal_error
 from stagetrace.capture.records import SpanContextOnDemand
+from stagetrace.common.wire import link_flags, trace_state_header
 
 # The SDK's own logger and messages, so that a misuse reads the same whichever span class caught it.
 _sdk_logger = logging.getLogger("opentelemetry.sdk.trace")
@@ -51,20 +52,6 @@ def cleaned_attributes(
         return {}, 0
     bounded = BoundedAttributes(max_count, attributes, immutable=True, max_value_len=max_length)
     return bounded.copy(), bounded.dropped  # type: ignore[return-value]
-
-
-def trace_state_header(state: TraceState | None) -> str:
-    """A trace state as it crosses to the exporter: its W3C header (empty for none)."""
-    return state.to_header() if state else ""
-
-
-# A link's flags as they cross to the exporter: the linked context's W3C trace flags in the low byte, and
-# whether it is remote in the bit OTLP itself uses for that (``SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK``).
-LINK_REMOTE = 0x200
-
-
-def link_flags(context: SpanContext) -> int:
-    return int(context.trace_flags) | (LINK_REMOTE if context.is_remote else 0)
 
 
 def _valid_link(context: SpanContext | None, attributes: Any) -> bool:

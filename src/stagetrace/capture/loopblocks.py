@@ -14,7 +14,7 @@ from typing import Any
 from opentelemetry.trace import get_current_span
 
 from stagetrace import _state
-from stagetrace.capture.samplers import DrainQueue
+from stagetrace.capture.monitors import DrainQueue
 from stagetrace.conventions import DELAYED_REQUESTS
 from stagetrace.settings import MAX_WORKER_RUNS
 

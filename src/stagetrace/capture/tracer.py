@@ -31,10 +31,10 @@ from stagetrace._compat import (
     tracer_span_limits,
 )
 from stagetrace._safety import logger, report_internal_error
+from stagetrace.capture.head_sampler import LocalRootRecordingSampler
 from stagetrace.capture.light_spans import LightSpan, start_links
 from stagetrace.capture.records import StageRecord
 from stagetrace.capture.stage import current_context, direct_context, reset_current_context, set_current_context
-from stagetrace.handoff.sampler import LocalRootRecordingSampler
 
 _SAMPLED = TraceFlags.SAMPLED
 _RANDOM = TraceFlags.RANDOM_TRACE_ID

@@ -1,6 +1,6 @@
 """The export budget: how many traces a second leave the process, whatever the load.
 
-``sampling.decide`` says why a trace is worth exporting (slow, diagnosed, errored, the healthy share). At
+``keep.decide`` says why a trace is worth exporting (slow, diagnosed, errored, the healthy share). At
 saturation nearly every trace is slow or diagnosed, so that alone makes export grow with load, exactly
 when the host is short of CPU. The budget bounds it, before anything is built for export:
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from stagetrace.exporter.sampling import Keep
+from stagetrace.exporter.keep import Keep
 from stagetrace.settings import Settings
 
 SLOWEST_MARGIN = 1.25  # a later trace of the minute is "the slowest so far" when this much slower

@@ -22,13 +22,13 @@ from stagetrace.analysis import TraceSignals, Verdict, analyse_trace, build_verd
 from stagetrace.analysis.loopwait import blocker_entry, loop_waits, request_arrival
 from stagetrace.analysis.model import CompressedInfo
 from stagetrace.analysis.streams import summarise_stream
+from stagetrace.common import wire
 from stagetrace.exporter import signals as sig
 from stagetrace.exporter import spans as sp
 from stagetrace.exporter.budget import BudgetLimits, ExportBudget, signature_of
 from stagetrace.exporter.foreign import as_stage_span, foreign_kind, link_enclosing_stages, split_foreign_stages
+from stagetrace.exporter.keep import Keep, PendingBatches, RecentDecisions, decide, in_healthy_share
 from stagetrace.exporter.metrics import MetricsSink, replay
-from stagetrace.exporter.sampling import Keep, PendingBatches, RecentDecisions, decide, in_healthy_share
-from stagetrace.handoff import wire
 from stagetrace.settings import (
     ARRIVAL_ADJACENT_NS,
     ARRIVAL_LOOKBACK_NS,

@@ -10,7 +10,7 @@ from typing import Any
 from opentelemetry.trace import StatusCode
 
 from stagetrace import conventions as c
-from stagetrace.handoff import wire
+from stagetrace.common import wire
 
 _SCOPE = wire.SPAN_INDEX["scope_name"]
 _PARENT = wire.SPAN_INDEX["parent_span_id"]

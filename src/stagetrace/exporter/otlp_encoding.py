@@ -19,7 +19,7 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from stagetrace.handoff import wire
+from stagetrace.common import wire
 
 # Protobuf wire types
 _VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5

@@ -25,8 +25,8 @@ from opentelemetry.sdk.environment_variables import (
 )
 
 from stagetrace._safety import logger, report_internal_error
+from stagetrace.common import wire
 from stagetrace.exporter.otlp_encoding import TraceRequestEncoder
-from stagetrace.handoff import wire
 
 _FLAGS = wire.SPAN_INDEX["flags"]
 _SAMPLED = 0x01  # TraceFlags.SAMPLED

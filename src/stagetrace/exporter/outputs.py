@@ -18,8 +18,8 @@ from opentelemetry.sdk.trace import SpanProcessor
 from stagetrace._compat import batch_queue_full
 from stagetrace._safety import report_internal_error
 from stagetrace.analysis import Verdict
+from stagetrace.common import wire
 from stagetrace.exporter.metrics import Exemplar, MetricsSink
-from stagetrace.handoff import wire
 
 
 class NoMetrics:

@@ -31,17 +31,17 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from stagetrace._compat import otlp_http_sender
 from stagetrace._safety import logger
 from stagetrace.analysis import Verdict
-from stagetrace.export.env import metric_readers_from_env, span_exporters_from_env
-from stagetrace.export.files import JsonLinesSpanExporter
-from stagetrace.export.shutdown import shutdown_within
+from stagetrace.common import wire
+from stagetrace.common.channel import FrameReader, encode_frame
+from stagetrace.destinations.env import metric_readers_from_env, span_exporters_from_env
+from stagetrace.destinations.files import JsonLinesSpanExporter
+from stagetrace.destinations.shutdown import shutdown_within
 from stagetrace.exporter.aggregation import AggregatedMetrics
 from stagetrace.exporter.core import ExporterCore
 from stagetrace.exporter.metrics import MetricsRecorder, MetricsSink, TeeMetrics
 from stagetrace.exporter.otlp_encoding import TraceRequestEncoder
 from stagetrace.exporter.otlp_sink import WireBatchSink
 from stagetrace.exporter.outputs import LocalOutputs, NoMetrics, SpanForwarder, SpanSink, fan_out
-from stagetrace.handoff import wire
-from stagetrace.handoff.channel import FrameReader, encode_frame
 from stagetrace.settings import ACK_INTERVAL_S, Settings
 
 _PR_SET_PDEATHSIG = 1

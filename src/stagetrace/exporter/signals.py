@@ -7,23 +7,19 @@ Pure bookkeeping: no threads, no clocks of its own; the exporter feeds it and as
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from stagetrace.analysis.loopwait import LoopBlock
+from stagetrace.common.schedstat import not_gil_ms, schedstat_delta
 from stagetrace.settings import GIL_MIN_SAMPLES, MIN_CPU_ACCOUNTED_NS
 
 GIL_SERIES = "gil"
-RUN_QUEUE_SERIES = "runqueue"  # the GIL sampler's run-queue wait per wake-up
+RUN_QUEUE_SERIES = "runqueue"  # the GIL monitor's run-queue wait per wake-up
 LOOP_SERIES = "loop"
 LOOP_HELD_SERIES = "loopheld"  # per loop-lag wake-up: the part of the stall work on the loop's thread explains
-PROCESS_RUN_QUEUE_SERIES = "procrq"  # at each GIL-sampler wake-up: the other threads' run-queue wait so far, ms
+PROCESS_RUN_QUEUE_SERIES = "procrq"  # at each GIL-monitor wake-up: the other threads' run-queue wait so far, ms
 SERIES = (GIL_SERIES, RUN_QUEUE_SERIES, LOOP_SERIES, LOOP_HELD_SERIES, PROCESS_RUN_QUEUE_SERIES)
-
-
-# A woken thread is off-CPU a little past its timer (timer slack, the wake-up path): the margin added to the
-# GIL's switch interval before an off-CPU stretch counts as longer than any wait for the GIL.
-GIL_WAIT_MARGIN_MS = 0.5
 
 
 def resolve_cpu(stage: Any, gil_wait_bound_ms: float | None = None) -> None:
@@ -56,7 +52,7 @@ def resolve_cpu(stage: Any, gil_wait_bound_ms: float | None = None) -> None:
 
 def resolve_others_runqueue(stage: Any, series: LagSeries, offset_ns: int) -> None:
     """Set a blocked stage's ``others_runqueue_ms``: the process's other threads' run-queue wait from the
-    GIL sampler's last wake-up before the stage to its first one after (so never less than over the stage
+    GIL monitor's last wake-up before the stage to its first one after (so never less than over the stage
     itself), less the stage's own. Left None when no wake-up brackets the stage."""
     if stage.blocked_ms is None or not len(series):
         return
@@ -74,59 +70,6 @@ def cumulative_change(series: LagSeries, start_ns: int, end_ns: int) -> float | 
     if before < 0 or after >= len(times):
         return None
     return max(0.0, values[after] - values[before])
-
-
-def schedstat_delta(start: bytes, end: bytes) -> tuple[float, float, int | None]:
-    """On-CPU ms, run-queue ms and times scheduled in (None where the kernel gives only two fields) between
-    two reads of a thread's schedstat; ValueError on anything else."""
-    s_cpu, s_rq, *s_rest = start.split()
-    e_cpu, e_rq, *e_rest = end.split()
-    slices = int(e_rest[0]) - int(s_rest[0]) if s_rest and e_rest else None
-    return (int(e_cpu) - int(s_cpu)) / 1e6, (int(e_rq) - int(s_rq)) / 1e6, slices
-
-
-def not_gil_ms(blocked_ms: float, slices: int, gil_wait_bound_ms: float) -> float:
-    """The least of ``blocked_ms`` that cannot have been a wait for the GIL.
-
-    A thread waiting for the GIL sleeps at most ``gil_wait_bound_ms`` at a stretch (the switch interval:
-    ``_compat.gil_wait_stretch_bound_s``), and every stretch off the CPU ends with the thread scheduled in
-    again, which schedstat counts (``slices``, at least one per stretch). So if the blocked time exceeds
-    ``slices`` such stretches, one stretch at least was a wait of another kind (a lock, I/O, a sleep), and at
-    most ``slices - 1`` were GIL waits: everything beyond those is not the GIL. A proof from the stage's own
-    readings, however few wake-ups the GIL-pressure sampler took in its window; 0 when the readings are
-    consistent with GIL waits alone. Where there is no GIL (``gil_wait_bound_ms`` 0), none of it was.
-    """
-    if gil_wait_bound_ms <= 0:
-        return blocked_ms
-    interval = gil_wait_bound_ms + GIL_WAIT_MARGIN_MS
-    if slices < 1 or blocked_ms <= slices * interval:
-        return 0.0
-    return blocked_ms - (slices - 1) * interval
-
-
-def loop_held_ms(
-    lag_ms: float, elapsed_ms: float, interval_ms: float, start: Any, end: Any, gil_wait_bound_ms: float | None
-) -> float | None:
-    """How much of an event-loop stall work on the loop's own thread explains, from that thread's schedstat
-    readings over the monitor's sleep (``elapsed_ms``, of which ``interval_ms`` was the sleep asked for).
-
-    Work held the loop if its thread ran (on-CPU time) or sat in a blocking call (off the CPU in stretches
-    longer than any GIL wait: ``not_gil_ms``). A thread that waited for the GIL or for a CPU did neither:
-    the stall was the process starving the loop, not work on it. The monitor's own idle wait is a long
-    stretch too, at most the interval, so the interval is taken off: a lower bound. None without schedstat
-    slices or a known GIL bound (then the lag alone is what is known).
-    """
-    if not isinstance(start, bytes) or not isinstance(end, bytes) or gil_wait_bound_ms is None:
-        return None
-    try:
-        cpu_ms, rq_ms, slices = schedstat_delta(start, end)
-    except ValueError:
-        return None
-    if slices is None:
-        return None
-    blocked_ms = max(0.0, elapsed_ms - cpu_ms - rq_ms)
-    in_calls_ms = not_gil_ms(blocked_ms, slices, gil_wait_bound_ms)
-    return round(min(lag_ms, max(0.0, cpu_ms + in_calls_ms - interval_ms)), 3)
 
 
 class LagSeries:
@@ -178,7 +121,7 @@ def sampler_mean_ms(
     min_samples: int = GIL_MIN_SAMPLES,
     proof_ms: float | None = None,
 ) -> float | None:
-    """Mean of the GIL sampler's wake-ups (their GIL wait, or their run-queue wait) within the trace's own
+    """Mean of the GIL monitor's wake-ups (their GIL wait, or their run-queue wait) within the trace's own
     window, or None (not measured) with fewer than ``min_samples`` wake-ups in it, unless those few waited
     ``min_samples`` periods or more between them, or one of them waited ``proof_ms`` (for the GIL: a whole
     switch interval, which only a holder running Python through its interval makes a waiter wait).
@@ -225,14 +168,6 @@ def max_loop_lag_ms(series: LagSeries, start_ns: int, end_ns: int) -> float | No
         if overlap > worst:
             worst = overlap
     return round(worst / 1e6, 3)
-
-
-def flatten(samples: Iterable[tuple[int, float]]) -> tuple[Any, ...]:
-    out: list[Any] = []
-    for t, v in samples:
-        out.append(t)
-        out.append(v)
-    return tuple(out)
 
 
 class LoopBlockSeries:

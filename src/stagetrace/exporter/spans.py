@@ -16,7 +16,7 @@ from stagetrace import conventions as c
 from stagetrace._version import __version__
 from stagetrace.analysis import BatchInfo, Verdict
 from stagetrace.analysis.streams import gen_ai_latencies
-from stagetrace.handoff import wire
+from stagetrace.common import wire
 from stagetrace.settings import MAX_LINKS_PER_SPAN
 
 

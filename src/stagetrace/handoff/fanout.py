@@ -15,8 +15,8 @@ from typing import Any
 
 from stagetrace.analysis.model import BatchInfo
 from stagetrace.capture.records import Repeat, StageRecord, TraceRecord
+from stagetrace.common.wire import STAGE_FIELDS, pack_stage
 from stagetrace.conventions import BATCH_ABANDONED
-from stagetrace.handoff.wire import STAGE_FIELDS, pack_stage
 
 _ID_MASK = (1 << 64) - 1
 

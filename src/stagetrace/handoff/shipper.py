@@ -23,9 +23,10 @@ from opentelemetry.sdk.trace import ReadableSpan
 from stagetrace._safety import at_fork_in_child, report_internal_error
 from stagetrace.capture.light_spans import LightSpan
 from stagetrace.capture.records import Repeat, StageRecord, TraceRecord
+from stagetrace.common import wire
+from stagetrace.common.wire import flatten
 from stagetrace.exporter.metrics import MetricsRecorder
-from stagetrace.exporter.signals import flatten
-from stagetrace.handoff import fanout, wire
+from stagetrace.handoff import fanout
 from stagetrace.settings import FLUSH_POLL_S, SIGNALS_WAIT_S, Settings
 
 DATA_KINDS = frozenset({wire.TRACE, wire.LONE_STAGE, wire.LONE_SPAN})
@@ -111,9 +112,9 @@ class Shipper:
     ) -> None:
         self.settings = settings
         # Called before the signals are drained in a cycle that ships traces: a sampler's reading taken then
-        # is later than every one of their stages (``GilPressureSampler.note_run_queues``).
+        # is later than every one of their stages (``GilPressureMonitor.note_run_queues``).
         self.before_signals = before_signals
-        # Whether the samplers' readings reach an epoch time (``GilPressureSampler.covers``): a trace whose end
+        # Whether the samplers' readings reach an epoch time (``GilPressureMonitor.covers``): a trace whose end
         # they do not reach yet waits for them, up to SIGNALS_WAIT_S, with everything submitted after it.
         self.signals_cover = signals_cover
         self._transport_factory = transport_factory

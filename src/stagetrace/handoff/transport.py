@@ -22,11 +22,11 @@ from collections.abc import Callable
 from typing import Any
 
 from stagetrace._safety import at_fork_in_child, logger, report_internal_error
+from stagetrace.common import wire
+from stagetrace.common.channel import FrameReader, NonBlockingWriter, encode_frame, make_pipe
 from stagetrace.exporter.core import ExporterCore
 from stagetrace.exporter.metrics import MetricsRecorder, replay
 from stagetrace.exporter.outputs import LocalOutputs
-from stagetrace.handoff import wire
-from stagetrace.handoff.channel import FrameReader, NonBlockingWriter, encode_frame, make_pipe
 from stagetrace.handoff.shipper import DATA_KINDS, Shipper
 from stagetrace.settings import RECORDS_PER_FRAME, Settings
 

@@ -25,7 +25,7 @@ def ensure_configured() -> Any:
     """The active runtime, configuring stagetrace with its defaults (OTEL_* or the embedded file) if the
     application has not called ``configure()`` yet. None when stagetrace is disabled."""
     if _state.runtime is None:
-        from stagetrace.setup import configure
+        from stagetrace.configuration import configure
 
         if disabled_from_env():
             return None

@@ -80,7 +80,7 @@ def _flushing_on_shutdown(receive: Any) -> Any:
     async def wrapped() -> Any:
         message = await receive()
         if message.get("type") == "lifespan.shutdown":
-            from stagetrace.setup import current_handle
+            from stagetrace.configuration import current_handle
 
             handle = current_handle()
             if handle is not None:

@@ -31,7 +31,7 @@ class StagetraceInstrumentor(BaseInstrumentor):
     def _instrument(self, **kwargs: Any) -> None:
         if disabled_from_env():
             return
-        from stagetrace.setup import attach, configure
+        from stagetrace.configuration import attach, configure
 
         if _state.runtime is None:
             provider = kwargs.get("tracer_provider") or trace_api.get_tracer_provider()

@@ -60,7 +60,7 @@ def build_app(out_dir: str) -> Any:
 
     @app.on_event("shutdown")
     def dump_stats() -> None:
-        from stagetrace.setup import current_handle
+        from stagetrace.configuration import current_handle
 
         handle = current_handle()
         if handle is not None:

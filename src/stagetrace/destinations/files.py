@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from stagetrace._safety import report_internal_error
-from stagetrace.export.otlp_json import spans_to_otlp_json_line
+from stagetrace.destinations.otlp_json import spans_to_otlp_json_line
 from stagetrace.settings import output_dir_from_env
 
 

@@ -31,17 +31,17 @@ from stagetrace._compat import (
 )
 from stagetrace._safety import logger
 from stagetrace.analysis import DiagnosisThresholds, Verdict
+from stagetrace.capture.head_sampler import LocalRootRecordingSampler
 from stagetrace.capture.tracer import CaptureTracerProvider
-from stagetrace.export.env import (
+from stagetrace.common.wire import plain
+from stagetrace.destinations.env import (
     metric_export_from_env,
     metric_readers_from_env,
     span_export_from_env,
     span_exporters_from_env,
 )
-from stagetrace.export.files import JsonLinesSpanExporter, default_traces_path
-from stagetrace.export.shutdown import shutdown_within
-from stagetrace.handoff.sampler import LocalRootRecordingSampler
-from stagetrace.handoff.wire import plain
+from stagetrace.destinations.files import JsonLinesSpanExporter, default_traces_path
+from stagetrace.destinations.shutdown import shutdown_within
 from stagetrace.runtime import Runtime
 from stagetrace.settings import Settings, disabled_from_env, slow_threshold_from_env
 

@@ -75,7 +75,7 @@ def span_exporters_from_env(file_path: Path | None = None) -> list[SpanExporter]
         elif name == "console":
             exporters.append(ConsoleSpanExporter())
         elif name in ("file", "stagetrace_file"):
-            from stagetrace.export.files import JsonLinesSpanExporter, default_traces_path
+            from stagetrace.destinations.files import JsonLinesSpanExporter, default_traces_path
 
             path = file_path or default_traces_path(os.environ.get("OTEL_SERVICE_NAME"))
             exporters.append(JsonLinesSpanExporter(path))

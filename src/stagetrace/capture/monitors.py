@@ -1,4 +1,4 @@
-"""Background samplers of the process's CPU-side signals: GIL pressure (a thread) and event-loop lag (a task
+"""Background monitors of the process's CPU-side signals: GIL pressure (a thread) and event-loop lag (a task
 per loop). Both only append (epoch ns, lag ms) pairs to a bounded buffer; the helper thread ships them and
 the exporter joins them to each trace's window (``exporter.signals``).
 
@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 
 from stagetrace._safety import report_internal_error
 from stagetrace.capture.cpu import CpuSignals, ProcessRunQueue
-from stagetrace.exporter.signals import loop_held_ms
+from stagetrace.common.schedstat import loop_held_ms
 
 _perf_ns = time.perf_counter_ns
 IDLE_CHECK_S = 1.0  # an idle sampler looks again this often even unwoken (a missed wake costs at most this)
@@ -54,7 +54,7 @@ class SampleBuffer(DrainQueue[tuple[int, float]]):
         self._items.append((time.time_ns(), value))
 
 
-class GilPressureSampler:
+class GilPressureMonitor:
     """One thread: about ``1/period`` wake-ups per second while a trace is in flight, each some tens of
     microseconds (most of it one read per thread of the process for ``process_run_queue``; the lag it
     reports includes that own work, ~0.05 ms). Beside the GIL wait, each wake-up's run-queue wait is kept

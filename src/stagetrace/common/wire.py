@@ -9,7 +9,7 @@ is added in one place. Everything here is plain data (ints, floats, strings, byt
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from operator import attrgetter
 from typing import Any, NamedTuple
 
@@ -20,7 +20,6 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 
 from stagetrace.analysis.model import BatchInfo, CompressedInfo, batch_info, compressed_info
 from stagetrace.analysis.streams import StreamFields, stream_fields
-from stagetrace.capture.light_spans import LINK_REMOTE, link_flags, trace_state_header
 from stagetrace.conventions import BATCH_INDEX, BATCH_ITEMS
 
 # --- message kinds ------------------------------------------------------------------------------------
@@ -64,6 +63,20 @@ STAGE_FIELDS = (
 )
 pack_stage = attrgetter(*STAGE_FIELDS)
 """A capture record (or anything with these attributes) as its wire tuple."""
+
+
+def trace_state_header(state: TraceState | None) -> str:
+    """A trace state as it crosses to the exporter: its W3C header (empty for none)."""
+    return state.to_header() if state else ""
+
+
+# A link's flags as they cross to the exporter: the linked context's W3C trace flags in the low byte, and
+# whether it is remote in the bit OTLP itself uses for that (``SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK``).
+LINK_REMOTE = 0x200
+
+
+def link_flags(context: SpanContext) -> int:
+    return int(context.trace_flags) | (LINK_REMOTE if context.is_remote else 0)
 
 
 # What the exporter derives from a stage's raw CPU readings (``exporter.signals.resolve_cpu``).
@@ -440,3 +453,12 @@ def plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): plain(v) for k, v in value.items()}
     return str(value)
+
+
+def flatten(samples: Iterable[tuple[int, float]]) -> tuple[Any, ...]:
+    """(time, value) samples as one flat tuple, the way a series crosses the channel."""
+    out: list[Any] = []
+    for t, v in samples:
+        out.append(t)
+        out.append(v)
+    return tuple(out)

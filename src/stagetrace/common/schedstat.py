@@ -1,0 +1,64 @@
+"""Linux scheduler counters (``/proc/thread-self/schedstat``: on-CPU ns, run-queue ns, times scheduled in)
+read back into what a stage or the event loop's thread lived: shared by the application's loop monitor
+and the exporter's CPU figures. Pure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# A woken thread is off-CPU a little past its timer (timer slack, the wake-up path): the margin added to the
+# GIL's switch interval before an off-CPU stretch counts as longer than any wait for the GIL.
+GIL_WAIT_MARGIN_MS = 0.5
+
+
+def schedstat_delta(start: bytes, end: bytes) -> tuple[float, float, int | None]:
+    """On-CPU ms, run-queue ms and times scheduled in (None where the kernel gives only two fields) between
+    two reads of a thread's schedstat; ValueError on anything else."""
+    s_cpu, s_rq, *s_rest = start.split()
+    e_cpu, e_rq, *e_rest = end.split()
+    slices = int(e_rest[0]) - int(s_rest[0]) if s_rest and e_rest else None
+    return (int(e_cpu) - int(s_cpu)) / 1e6, (int(e_rq) - int(s_rq)) / 1e6, slices
+
+
+def not_gil_ms(blocked_ms: float, slices: int, gil_wait_bound_ms: float) -> float:
+    """The least of ``blocked_ms`` that cannot have been a wait for the GIL.
+
+    A thread waiting for the GIL sleeps at most ``gil_wait_bound_ms`` at a stretch (the switch interval:
+    ``_compat.gil_wait_stretch_bound_s``), and every stretch off the CPU ends with the thread scheduled in
+    again, which schedstat counts (``slices``, at least one per stretch). So if the blocked time exceeds
+    ``slices`` such stretches, one stretch at least was a wait of another kind (a lock, I/O, a sleep), and at
+    most ``slices - 1`` were GIL waits: everything beyond those is not the GIL. A proof from the stage's own
+    readings, however few wake-ups the GIL-pressure monitor took in its window; 0 when the readings are
+    consistent with GIL waits alone. Where there is no GIL (``gil_wait_bound_ms`` 0), none of it was.
+    """
+    if gil_wait_bound_ms <= 0:
+        return blocked_ms
+    interval = gil_wait_bound_ms + GIL_WAIT_MARGIN_MS
+    if slices < 1 or blocked_ms <= slices * interval:
+        return 0.0
+    return blocked_ms - (slices - 1) * interval
+
+
+def loop_held_ms(
+    lag_ms: float, elapsed_ms: float, interval_ms: float, start: Any, end: Any, gil_wait_bound_ms: float | None
+) -> float | None:
+    """How much of an event-loop stall work on the loop's own thread explains, from that thread's schedstat
+    readings over the monitor's sleep (``elapsed_ms``, of which ``interval_ms`` was the sleep asked for).
+
+    Work held the loop if its thread ran (on-CPU time) or sat in a blocking call (off the CPU in stretches
+    longer than any GIL wait: ``not_gil_ms``). A thread that waited for the GIL or for a CPU did neither:
+    the stall was the process starving the loop, not work on it. The monitor's own idle wait is a long
+    stretch too, at most the interval, so the interval is taken off: a lower bound. None without schedstat
+    slices or a known GIL bound (then the lag alone is what is known).
+    """
+    if not isinstance(start, bytes) or not isinstance(end, bytes) or gil_wait_bound_ms is None:
+        return None
+    try:
+        cpu_ms, rq_ms, slices = schedstat_delta(start, end)
+    except ValueError:
+        return None
+    if slices is None:
+        return None
+    blocked_ms = max(0.0, elapsed_ms - cpu_ms - rq_ms)
+    in_calls_ms = not_gil_ms(blocked_ms, slices, gil_wait_bound_ms)
+    return round(min(lag_ms, max(0.0, cpu_ms + in_calls_ms - interval_ms)), 3)

@@ -1,0 +1,52 @@
+"""The layering docs/architecture.md draws: every stagetrace import inside the package points down it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "src" / "stagetrace"
+SHARED = {"conventions", "settings", "_compat", "_safety", "_version"}
+# package -> the stagetrace packages and modules it may import (besides SHARED and itself)
+ALLOWED: dict[str, set[str]] = {
+    "analysis": set(),
+    "common": {"analysis"},
+    "capture": {"common", "analysis", "_state"},
+    "handoff": {"capture", "common", "analysis", "exporter", "_state"},
+    "exporter": {"common", "analysis", "destinations"},
+    "destinations": set(),
+}
+
+
+def imports_of(path: Path) -> set[str]:
+    """The stagetrace subpackages and top-level modules a file imports (functions' bodies included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            parts = node.module.split(".")
+            if parts[0] == "stagetrace":
+                if len(parts) > 1:
+                    found.add(parts[1])
+                else:
+                    found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "stagetrace" and len(parts) > 1:
+                    found.add(parts[1])
+    return found
+
+
+def test_every_import_points_down_the_layers():
+    wrong = []
+    for package, allowed in ALLOWED.items():
+        for path in sorted((PACKAGE / package).rglob("*.py")):
+            for target in imports_of(path) - SHARED - {package} - allowed:
+                wrong.append(f"{path.relative_to(PACKAGE)} imports stagetrace.{target}")
+    assert wrong == []
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from stagetrace.exporter.signals import flatten\n")
+    assert imports_of(bad) == {"exporter"}
