@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
 
-    from stagetrace.testing.load import free_port, wait_for_port
+    from harness import free_port, wait_for_port
 
     port = free_port()
     sink_proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "e2e.py"), "sink", str(port)])

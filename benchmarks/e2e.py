@@ -64,9 +64,8 @@ import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import NamedTuple
 
+from harness import free_port, wait_for_port
 from proctree import process_cpu_s, tree_cpu_s
-
-from stagetrace.testing.load import free_port, wait_for_port
 
 STAGES = (
     ("decode", 2.0),

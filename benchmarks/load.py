@@ -1,5 +1,5 @@
 """The long load test (issue 7, item 4): 1,000 concurrent clients for 60 s against a real uvicorn server on
-127.0.0.1, then the checks (see stagetrace/testing/load.py). Bounded; stops by itself.
+127.0.0.1, then the checks (see benchmarks/harness.py). Bounded; stops by itself.
 
     python benchmarks/load.py [--seconds 60] [--concurrency 1000]
 """
@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from stagetrace.testing import load
+import harness as load
 
 
 def main(argv: list[str] | None = None) -> int:

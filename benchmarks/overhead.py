@@ -226,7 +226,7 @@ def instructions_main(pipelines: int) -> int:
     if shutil.which("valgrind") is None:
         print("--instructions needs valgrind (apt-get install valgrind)", file=sys.stderr)
         return 2
-    from stagetrace.testing.load import free_port, wait_for_port
+    from harness import free_port, wait_for_port
 
     sink_port = free_port()
     here = os.path.dirname(os.path.abspath(__file__))
@@ -310,9 +310,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import subprocess
 
+    from harness import free_port, wait_for_port
     from proctree import process_cpu_s, tree_cpu_s
-
-    from stagetrace.testing.load import free_port, wait_for_port
 
     sink_port = free_port()
     here = os.path.dirname(os.path.abspath(__file__))

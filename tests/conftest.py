@@ -3,6 +3,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -16,6 +17,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import stagetrace
 from stagetrace.analysis import DiagnosisThresholds, Verdict
+
+# The load harness and the helpers tests and benchmarks share (free_port, ...) live in benchmarks/harness.py.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 # --- the suite writes only into temporary directories ---------------------------------------------------
 

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import free_port, terminate, wait_for_port
 
 import stagetrace
 from scenarios.corpus import busy
@@ -22,7 +23,6 @@ from stagetrace import conventions as c
 from stagetrace.analysis.loopwait import LoopBlock, request_arrival
 from stagetrace.capture.arrival import TASK_ARRIVAL, arrival_factory, ensure_task_factory, take_arrival
 from stagetrace.report.loader import spans_from_line
-from stagetrace.testing.load import free_port, terminate, wait_for_port
 
 MS = 1_000_000
 HERE = Path(__file__).resolve().parent

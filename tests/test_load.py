@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
+import harness as load
 import pytest
-
-from stagetrace.testing import load
 
 
 @pytest.mark.slow

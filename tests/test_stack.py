@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from harness import free_port
 
 from stackcheck import check_clickhouse_exporter, check_collector_config
-from stagetrace.testing.load import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 COLLECTOR_CONFIGS = sorted((ROOT / "collector-config").glob("*.yaml"))

@@ -16,6 +16,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
+from harness import free_port
 from opentelemetry.trace import get_current_span
 
 import stagetrace
@@ -29,7 +30,6 @@ from stagetrace.capture.stage import _perf_ns, add_stage
 from stagetrace.common import wire
 from stagetrace.exporter.core import fold_repeated
 from stagetrace.settings import KEEP_REPEATS
-from stagetrace.testing.load import free_port
 
 MS = 1_000_000
 

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import free_port, terminate, wait_for_port
 
 from servers import hit
 from stagetrace import conventions as c
 from stagetrace.report.loader import spans_from_line
-from stagetrace.testing.load import free_port, terminate, wait_for_port
 
 HERE = Path(__file__).resolve().parent
 

@@ -2,8 +2,10 @@
 clients from another process, then the checks: every request has exactly one trace with a verdict, no
 stage landed in another request's trace, RSS sampled over the run, stagetrace's drop counters.
 
-Used by ``benchmarks/load.py`` (1,000 clients for 60 s) and by the test suite (a short run). Every loop is
-bounded in count and time; only 127.0.0.1 is contacted.
+Used by ``benchmarks/load.py`` (1,000 clients for 60 s) and by the test suite (a short run), with the small
+helpers both share (``free_port``, ``wait_for_port``, ``terminate``): the benchmarks import it from their own
+directory, the tests through ``conftest.py``. Not part of the installed package. Every loop is bounded in
+count and time; only 127.0.0.1 is contacted.
 """
 
 from __future__ import annotations
@@ -201,7 +203,7 @@ def run(duration_s: float, concurrency: int, out_dir: Path, max_requests: int = 
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
     server = subprocess.Popen(
-        [sys.executable, "-m", "stagetrace.testing.load", "serve", str(port), str(out_dir)],
+        [sys.executable, str(Path(__file__).resolve()), "serve", str(port), str(out_dir)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -212,8 +214,7 @@ def run(duration_s: float, concurrency: int, out_dir: Path, max_requests: int = 
         client = subprocess.Popen(
             [
                 sys.executable,
-                "-m",
-                "stagetrace.testing.load",
+                str(Path(__file__).resolve()),
                 "client",
                 f"http://127.0.0.1:{port}",
                 str(duration_s),
