@@ -428,32 +428,36 @@ def test_pending_batches_wait_for_members_bounded():
 
 def test_batch_spans_chunks_links():
     links = tuple((i + 1, i + 1, 1, "", {}) for i in range(300))
-    root = (
-        "infer",
-        9,
-        10,
-        0,
-        False,
-        1,
-        0,
-        1,
-        {c.BATCH_ID: "x", c.BATCH_SIZE: 300},
-        (),
-        links,
-        0,
-        "",
-        "s",
-        "",
-        1,
-        "",
-        0,
+    root = wire.check_span(
+        (
+            "infer",
+            9,
+            10,
+            0,
+            False,
+            1,
+            0,
+            1,
+            {c.BATCH_ID: "x", c.BATCH_SIZE: 300},
+            (),
+            links,
+            0,
+            "",
+            "s",
+            "",
+            1,
+            "",
+            0,
+            0,
+            0,
+        )
     )
     ids = iter(range(1000, 2000))
     out = sp.batch_spans(root, lambda: next(ids))
-    assert [len(s[wire.SPAN_INDEX["links"]]) for s in out] == [128, 128, 44]
-    assert [s[wire.SPAN_ID] for s in out] == [10, 1000, 1001]
-    assert all(s[wire.SPAN_INDEX["parent_span_id"]] == 10 for s in out[1:])
-    assert out[1][wire.SPAN_ATTRIBUTES] == {c.BATCH_ID: "x"}
+    assert [len(s.links) for s in out] == [128, 128, 44]
+    assert [s.span_id for s in out] == [10, 1000, 1001]
+    assert all(s.parent_span_id == 10 for s in out[1:])
+    assert out[1].attributes == {c.BATCH_ID: "x"}
     assert sp.batch_spans(wire.replace_span(root, links=links[:5]), lambda: 1) == [
         wire.replace_span(root, links=links[:5])
     ]

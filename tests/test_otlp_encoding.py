@@ -158,8 +158,8 @@ def test_any_attributes_encode_to_the_sdks_bytes(attributes, name):
 
 
 def test_a_value_the_sdk_cannot_encode_is_left_out_as_the_sdk_leaves_it_out():
-    span = wire.pack_span(sdk_spans(lambda p: p.get_tracer("x").start_span("s").end())[0])
-    attributes = span[wire.SPAN_ATTRIBUTES] | {"kept": 1, "object": object()}
+    span = wire.check_span(wire.pack_span(sdk_spans(lambda p: p.get_tracer("x").start_span("s").end())[0]))
+    attributes = span.attributes | {"kept": 1, "object": object()}
     odd = wire.replace_span(span, attributes=attributes)
     message = ExportTraceServiceRequest.FromString(TraceRequestEncoder(RESOURCE).encode([odd]))
     (encoded,) = message.resource_spans[0].scope_spans[0].spans
@@ -188,7 +188,7 @@ class Collector:
 
 def packed(n: int, sampled: bool = True) -> list[tuple]:
     spans = sdk_spans(lambda p: [p.get_tracer("t").start_span(f"s{i}").end() for i in range(n)])
-    out = [wire.pack_span(s) for s in spans]
+    out = [wire.check_span(wire.pack_span(s)) for s in spans]  # as the exporter receives them
     if not sampled:
         out = [wire.replace_span(s, flags=0) for s in out]
     return out

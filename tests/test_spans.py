@@ -158,25 +158,29 @@ def test_a_verdict_without_a_bottleneck_has_no_ratio_but_every_later_field():
 
 
 def root_span(attributes):
-    return (
-        "GET /x",
-        1,
-        2,
-        0,
-        False,
-        SpanKind.SERVER.value,
-        0,
-        100 * MS,
-        attributes,
-        (("earlier", 5, {}),),
-        (),
-        0,
-        "",
-        "s",
-        "1",
-        1,
-        "",
-        0,
+    return wire.WireSpan._make(
+        (
+            "GET /x",
+            1,
+            2,
+            0,
+            False,
+            SpanKind.SERVER.value,
+            0,
+            100 * MS,
+            attributes,
+            (("earlier", 5, {}),),
+            (),
+            0,
+            "",
+            "s",
+            "1",
+            1,
+            "",
+            0,
+            0,
+            0,
+        )
     )
 
 
@@ -205,7 +209,7 @@ def test_a_batch_span_keeps_its_links_up_to_the_bound_and_chains_the_rest_on_chi
     def with_links(n):
         root = list(root_span({c.BATCH_ID: "b", "other": 1}))
         root[F["links"]] = tuple((i + 1, i + 1, 1, "", {}) for i in range(n))
-        return tuple(root)
+        return wire.WireSpan._make(root)
 
     assert sp.batch_spans(with_links(MAX_LINKS_PER_SPAN), lambda: 99) == [with_links(MAX_LINKS_PER_SPAN)]
     head, more = sp.batch_spans(with_links(MAX_LINKS_PER_SPAN + 1), lambda: 99)
@@ -224,7 +228,7 @@ def foreign_span(name, span_id, parent, start_ms, end_ms, scope="fastapi", statu
     span[F["start_ns"]], span[F["end_ns"]] = int(start_ms * MS), int(end_ms * MS)
     span[F["scope_name"]], span[F["status_code"]], span[F["kind"]] = scope, status, SpanKind.INTERNAL.value
     span[F["events"]] = ()
-    return tuple(span)
+    return wire.WireSpan._make(span)
 
 
 def test_fastapis_operation_spans_are_read_as_stages_on_the_stages_clock():

@@ -338,7 +338,7 @@ class LightSpan(SpanContextOnDemand, trace_api.Span):
 
     # --- the wire ---------------------------------------------------------------------------------------
     def wire_tuple(self) -> tuple[Any, ...]:
-        """This span as ``handoff.wire.SPAN_FIELDS``, as ``wire.pack_span`` makes one of an SDK span.
+        """This span as ``common.wire.WireSpan``, as ``wire.pack_span`` makes one of an SDK span.
         Called on the helper thread."""
         status = self._status
         state = trace_state_header(self.trace_state)

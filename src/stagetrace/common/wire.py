@@ -182,9 +182,9 @@ class ShippedTrace(NamedTuple):
     offset: int  # perf_to_epoch_ns of the trace
     dropped_stages: int
     gpu_utilization: float | None
-    root: tuple[Any, ...]
+    root: WireSpan
     stages: list[ShippedStage]
-    others: list[tuple[Any, ...]]
+    others: list[WireSpan]
     loop_thread: int  # the event loop's thread its root started on, or 0
     worker_runs: tuple[int, ...]  # start, end, ...: perf ns its code ran on worker threads
     task_created_ns: int  # perf ns its root's task was created (capture/arrival.py), or 0
@@ -225,35 +225,37 @@ def unpack_trace(msg: Sequence[Any]) -> ShippedTrace:
 
 
 # --- spans --------------------------------------------------------------------------------------------
-SPAN_FIELDS = (
-    "name",
-    "trace_id",
-    "span_id",
-    "parent_span_id",  # 0: no parent
-    "parent_is_remote",
-    "kind",  # SpanKind value
-    "start_ns",
-    "end_ns",
-    "attributes",
-    "events",  # ((name, timestamp_ns, attributes), ...)
-    "links",  # ((trace_id, span_id, link_flags(context), trace_state, attributes), ...)
-    "status_code",  # StatusCode value
-    "status_description",
-    "scope_name",
-    "scope_version",
-    "flags",
-    "trace_state",  # W3C header form
-    "dropped_attributes",
-    "dropped_events",
-    "dropped_links",
-)
-SPAN_INDEX = {name: i for i, name in enumerate(SPAN_FIELDS)}
-SPAN_NAME, SPAN_TRACE_ID, SPAN_ID = 0, 1, 2
-SPAN_START, SPAN_END, SPAN_ATTRIBUTES, SPAN_EVENTS = 6, 7, 8, 9
-SPAN_STATUS = 11
+class WireSpan(NamedTuple):
+    """A span as the exporter process reads it: the fields of its wire tuple by name. On the channel it is a
+    plain tuple in this order (``marshal`` takes no subclasses): ``pack_span`` and ``LightSpan.packed`` make
+    one, ``check_span`` reads one back as this."""
+
+    name: str
+    trace_id: int
+    span_id: int
+    parent_span_id: int  # 0: no parent
+    parent_is_remote: bool
+    kind: int  # SpanKind value
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any]
+    events: tuple[tuple[str, int, dict[str, Any]], ...]  # (name, timestamp_ns, attributes)
+    links: tuple[tuple[int, int, int, str, dict[str, Any]], ...]  # (trace_id, span_id, link_flags, state, attrs)
+    status_code: int  # StatusCode value
+    status_description: str
+    scope_name: str
+    scope_version: str
+    flags: int
+    trace_state: str  # W3C header form
+    dropped_attributes: int
+    dropped_events: int
+    dropped_links: int
+
+
+SPAN_FIELDS = WireSpan._fields
+SPAN_INDEX = {name: i for i, name in enumerate(SPAN_FIELDS)}  # for the encoder's index reads on its hot path
 _SPAN_COUNTS = tuple(SPAN_INDEX[f] for f in ("dropped_attributes", "dropped_events", "dropped_links"))
-assert SPAN_FIELDS[SPAN_START] == "start_ns" and SPAN_FIELDS[SPAN_ATTRIBUTES] == "attributes"
-assert SPAN_FIELDS[SPAN_EVENTS] == "events" and SPAN_FIELDS[SPAN_STATUS] == "status_code"
+_LINKS = SPAN_INDEX["links"]
 
 
 _TRACE_FLAGS_MASK = 0xFF  # of a link's wire flags: its W3C trace flags (LINK_REMOTE above them)
@@ -268,7 +270,8 @@ def _plain_attributes(attributes: Any) -> dict[str, Any]:
 
 
 def pack_span(span: ReadableSpan) -> tuple[Any, ...]:
-    """An SDK span as its wire tuple. Runs on the application's helper thread, never a request thread."""
+    """An SDK span as its wire tuple (``WireSpan``'s fields in order, a plain tuple for ``marshal``). Runs on
+    the application's helper thread, never a request thread."""
     ctx = span.context
     parent = span.parent
     scope = span.instrumentation_scope
@@ -363,73 +366,60 @@ def _scope(name: str, version: str) -> InstrumentationScope:
 
 def to_readable(packed: Sequence[Any], resource: Resource) -> ReadableSpan:
     """The wire tuple as an SDK span, ready for any span processor or exporter."""
-    (
-        name,
-        trace_id,
-        span_id,
-        parent_span_id,
-        parent_is_remote,
-        kind,
-        start_ns,
-        end_ns,
-        attributes,
-        events,
-        links,
-        status_code,
-        status_description,
-        scope_name,
-        scope_version,
-        flags,
-        trace_state,
-        dropped_attributes,
-        dropped_events,
-        dropped_links,
-    ) = packed
+    p = packed if type(packed) is WireSpan else WireSpan._make(packed)
+    trace_id, flags, state_header = p.trace_id, p.flags, p.trace_state
     trace_flags = TraceFlags(flags)
-    state = parse_trace_state(trace_state)
-    code = _STATUS_CODES.get(status_code, StatusCode.UNSET)
+    state = parse_trace_state(state_header)
+    code = _STATUS_CODES.get(p.status_code, StatusCode.UNSET)
+    parent = p.parent_span_id
     span = RebuiltSpan(
-        name=name,
-        context=SpanContext(trace_id, span_id, False, trace_flags, state),
-        parent=SpanContext(trace_id, parent_span_id, parent_is_remote, trace_flags, state) if parent_span_id else None,
+        name=p.name,
+        context=SpanContext(trace_id, p.span_id, False, trace_flags, state),
+        parent=SpanContext(trace_id, parent, p.parent_is_remote, trace_flags, state) if parent else None,
         resource=resource,
-        attributes=attributes,
-        events=tuple(Event(n, a, timestamp=ts) for n, ts, a in events),
+        attributes=p.attributes,
+        events=tuple(Event(n, a, timestamp=ts) for n, ts, a in p.events),
         links=tuple(
             Link(SpanContext(t, s, bool(f & LINK_REMOTE), TraceFlags(f & _TRACE_FLAGS_MASK), parse_trace_state(st)), a)
-            for t, s, f, st, a in links
+            for t, s, f, st, a in p.links
         ),
-        kind=_KINDS.get(kind, SpanKind.INTERNAL),
-        status=_UNSET if code is StatusCode.UNSET else Status(code, status_description or None),
-        start_time=start_ns,
-        end_time=end_ns,
-        instrumentation_scope=_scope(scope_name, scope_version),
+        kind=_KINDS.get(p.kind, SpanKind.INTERNAL),
+        status=_UNSET if code is StatusCode.UNSET else Status(code, p.status_description or None),
+        start_time=p.start_ns,
+        end_time=p.end_ns,
+        instrumentation_scope=_scope(p.scope_name, p.scope_version),
     )
-    span._dropped_attributes = dropped_attributes
-    span._dropped_events = dropped_events
-    span._dropped_links = dropped_links
+    span._dropped_attributes = p.dropped_attributes
+    span._dropped_events = p.dropped_events
+    span._dropped_links = p.dropped_links
     return span
 
 
-def check_span(packed: Any) -> tuple[Any, ...]:
-    """A span tuple from the channel, checked enough that building it cannot fail later."""
+def check_span(packed: Any) -> WireSpan:
+    """A span tuple from the channel, checked enough that building it cannot fail later, by name."""
     if not isinstance(packed, tuple) or len(packed) != len(SPAN_FIELDS):
         raise ValueError("malformed span record")
-    if not isinstance(packed[SPAN_NAME], str) or not isinstance(packed[SPAN_TRACE_ID], int):
+    span = packed if type(packed) is WireSpan else WireSpan._make(packed)
+    if not isinstance(span.name, str) or not isinstance(span.trace_id, int):
         raise ValueError("malformed span record")
-    if not isinstance(packed[SPAN_START], int) or not isinstance(packed[SPAN_END], int):
+    if not isinstance(span.start_ns, int) or not isinstance(span.end_ns, int):
         raise ValueError("malformed span record")
-    if not isinstance(packed[SPAN_ATTRIBUTES], dict) or not isinstance(packed[SPAN_EVENTS], tuple):
+    if not isinstance(span.attributes, dict) or not isinstance(span.events, tuple):
         raise ValueError("malformed span record")
     if not all(type(packed[i]) is int for i in _SPAN_COUNTS):
         raise ValueError("malformed span record")
-    return packed
+    return span
 
 
-def replace_span(packed: tuple[Any, ...], **changes: Any) -> tuple[Any, ...]:
+def replace_span(span: WireSpan, **changes: Any) -> WireSpan:
+    """The span with some fields changed (by name)."""
+    return span._replace(**changes)
+
+
+def with_links(packed: tuple[Any, ...], links: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A span tuple still to be sent (a plain tuple, for ``marshal``) with other links."""
     out = list(packed)
-    for key, value in changes.items():
-        out[SPAN_INDEX[key]] = value
+    out[_LINKS] = links
     return tuple(out)
 
 

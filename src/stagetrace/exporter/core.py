@@ -90,7 +90,7 @@ class Outputs(Protocol):
     metrics: MetricsSink
     wants_verdicts: bool
 
-    def export(self, spans: Sequence[tuple[Any, ...]]) -> None: ...
+    def export(self, spans: Sequence[wire.WireSpan]) -> None: ...
     def verdict(self, verdict: Verdict) -> None: ...
     def flush(self, timeout_s: float) -> bool: ...
 
@@ -155,7 +155,7 @@ class ExporterCore:
         """Before shutdown: batch traces still waiting for members are decided on what is known."""
         self._export(self.batches.expire(time.monotonic(), everything=True))
 
-    def _export(self, spans: Sequence[tuple[Any, ...]]) -> None:
+    def _export(self, spans: Sequence[wire.WireSpan]) -> None:
         if spans:
             self.outputs.export(spans)
 
@@ -169,7 +169,7 @@ class ExporterCore:
         try:
             if len(self.batches):
                 self._export(self.batches.expire(time.monotonic()))
-            if c.BATCH_ID in t.root[wire.SPAN_ATTRIBUTES]:
+            if c.BATCH_ID in t.root.attributes:
                 self._batch_trace(t)
             else:
                 self._analyse_and_export(t)
@@ -185,7 +185,7 @@ class ExporterCore:
             link_enclosing_stages([*stages, *(st for st, _ in foreign)], [*others, *(span for _, span in foreign)])
         # A composite's slowest occurrence is exported as an example; its time is the composite's already.
         analysed = [st for st in stages if not st.example] + [st for st, _ in foreign]
-        attrs = root[wire.SPAN_ATTRIBUTES]
+        attrs = root.attributes
         route = attrs.get(c.HTTP_ROUTE)
         route = route if isinstance(route, str) else None
         blocked_by: tuple[str, ...] = ()
@@ -202,7 +202,7 @@ class ExporterCore:
                 analysed = [*analysed, before]
                 first = before.attributes.get(c.BLOCKED_BY, ()) if before.attributes else ()
                 blocked_by = tuple(dict.fromkeys((*first, *blocked_by)))[:MAX_BLOCKED_BY]
-        root_start, root_end = root[wire.SPAN_START], root[wire.SPAN_END]
+        root_start, root_end = root.start_ns, root.end_ns
         # The stages are in perf-counter time: the root moves to that clock for the analysis.
         analysis = analyse_trace(root_start - offset, root_end - offset, analysed, self.settings.threshold_for(route))
         signals = self._signals(root_start, root_end, t.gpu_utilization, blocked_by)
@@ -211,7 +211,7 @@ class ExporterCore:
             signals = signals._replace(stream=stream)
         verdict = build_verdict(
             trace_id=format_trace_id(trace_id),
-            root_name=root[wire.SPAN_NAME],
+            root_name=root.name,
             analysis=analysis,
             diagnoses=diagnose(analysis, analysed, signals, self.settings.thresholds),
             route=route,
@@ -221,9 +221,9 @@ class ExporterCore:
             gen_ai=generative(t.gen_ai, attrs),
         )
         errored = (
-            root[wire.SPAN_STATUS] == _ERROR
+            root.status_code == _ERROR
             or any(st.error for st in analysed)
-            or any(o[wire.SPAN_STATUS] == _ERROR for o in others)
+            or any(o.status_code == _ERROR for o in others)
         )
         keep = decide(verdict, errored=errored, healthy_share=self.settings.healthy_sample, trace_id=trace_id)
         if keep.kept:
@@ -233,7 +233,7 @@ class ExporterCore:
                 self.metrics.dropped("budget")
         self.decisions.remember(trace_id, kept=keep.kept)
         self._export(self.batches.member_decided(trace_id, kept=keep.kept))
-        self.metrics.record_trace(verdict, (trace_id, root[wire.SPAN_ID]) if keep.kept else None)
+        self.metrics.record_trace(verdict, (trace_id, root.span_id) if keep.kept else None)
         if t.dropped_stages:
             self.metrics.dropped("stages_per_trace", t.dropped_stages)
         if keep.kept:
@@ -258,11 +258,11 @@ class ExporterCore:
         metrics are the batch's size and fill; the stages' time is charged in the members' traces, and
         it gets no verdict of its own. Exported when any member's trace is."""
         trace_id, root = t.trace_id, t.root
-        attrs = root[wire.SPAN_ATTRIBUTES]
+        attrs = root.attributes
         size = attrs.get(c.BATCH_SIZE)
         fill = attrs.get(c.BATCH_FILL)
         self.metrics.record_batch(
-            root[wire.SPAN_NAME],
+            root.name,
             size if isinstance(size, int) else 0,
             float(fill) if isinstance(fill, (int, float)) else None,
         )
@@ -273,12 +273,12 @@ class ExporterCore:
         out = [sp.stage_span(st, trace_id, t.offset, t.flags, t.state) for st in t.stages]
         out.extend(t.others)
         out.extend(sp.batch_spans(root, self._new_span_id_nonzero))
-        errored = root[wire.SPAN_STATUS] == _ERROR or any(st.error for st in t.stages)
+        errored = root.status_code == _ERROR or any(st.error for st in t.stages)
         if errored:
             self.decisions.remember(trace_id, kept=True)
             self._export(out)
             return
-        members = [link[0] for link in root[wire.SPAN_INDEX["links"]]]
+        members = [link[0] for link in root.links]
         fallback = in_healthy_share(trace_id, self.settings.healthy_sample)
         self._export(self.batches.offer(trace_id, members, out, time.monotonic(), fallback=fallback))
 
@@ -286,12 +286,12 @@ class ExporterCore:
         return self._new_span_id(64) or 1
 
     def _loop_waits(
-        self, trace_id: int, thread: int, root: tuple[Any, ...], offset: int, own: list[tuple[int, int]]
+        self, trace_id: int, thread: int, root: wire.WireSpan, offset: int, own: list[tuple[int, int]]
     ) -> tuple[list[wire.ShippedStage], tuple[str, ...]]:
         """The request's ``event_loop.wait`` stages (perf-counter time, children of the root), and the
         stages that held its loop meanwhile, longest first: ``"<stage> <trace id>"``. ``own``: the
         intervals the request was busy itself (its stages, its runs on worker threads)."""
-        window = (root[wire.SPAN_START] - offset, root[wire.SPAN_END] - offset)
+        window = (root.start_ns - offset, root.end_ns - offset)
         blocks = self.loop_blocks.overlapping(thread, *window)
         waits = loop_waits(window, own, blocks, trace_id, min_ns=LOOP_WAIT_MIN_NS)
         held: dict[str, int] = {}
@@ -303,7 +303,7 @@ class ExporterCore:
                 held[key] = held.get(key, 0) + ns
                 names.append(key)
             wait = wire.ShippedStage.added(
-                c.EVENT_LOOP_WAIT, "wait", self._new_span_id_nonzero(), root[wire.SPAN_ID], w.start_ns, w.end_ns
+                c.EVENT_LOOP_WAIT, "wait", self._new_span_id_nonzero(), root.span_id, w.start_ns, w.end_ns
             )
             wait.attributes = {c.BLOCKED_BY: tuple(names[:MAX_BLOCKED_BY])}
             out.append(wait)
@@ -311,13 +311,13 @@ class ExporterCore:
         return fold_repeated(out, self._new_span_id_nonzero), tuple(ranked[:MAX_BLOCKED_BY])
 
     def _wait_before_root(
-        self, t: wire.ShippedTrace, root: tuple[Any, ...]
-    ) -> tuple[tuple[Any, ...], wire.ShippedStage | None]:
+        self, t: wire.ShippedTrace, root: wire.WireSpan
+    ) -> tuple[wire.WireSpan, wire.ShippedStage | None]:
         """The wait between the request's arrival and its server span, as an ``event_loop.wait`` stage, and
         the root moved back to the arrival (the framework's start and the shift kept as attributes); or the
         root unchanged, with the bound of an arrival that cannot be placed."""
         offset = t.offset
-        framework_start = root[wire.SPAN_START] - offset
+        framework_start = root.start_ns - offset
         # The blocks that can matter: from the bytes' arrival (or the task's creation) on, and those that
         # ended up to a second before it, which may bound an arrival that cannot be read.
         earliest = t.task_created_ns - max(t.received_ms_ago, 0) * 1_000_000 - ARRIVAL_LOOKBACK_NS
@@ -325,7 +325,7 @@ class ExporterCore:
         arrival = request_arrival(
             t.task_created_ns, t.received_ms_ago, blocks, t.trace_id, adjacent_ns=ARRIVAL_ADJACENT_NS
         )
-        attributes = dict(root[wire.SPAN_ATTRIBUTES])
+        attributes = dict(root.attributes)
         if arrival.bound_ns is not None:
             attributes[c.LOOP_ARRIVAL_BOUND_MS] = round(arrival.bound_ns / 1e6, 3)
         unchanged = wire.replace_span(root, attributes=attributes) if arrival.bound_ns is not None else root
@@ -344,13 +344,13 @@ class ExporterCore:
             c.EVENT_LOOP_WAIT,
             "wait",
             self._new_span_id_nonzero(),
-            root[wire.SPAN_ID],
+            root.span_id,
             arrival.start_ns,
             framework_start,
         )
         before.attributes = {c.BLOCKED_BY: names} if names else None
         attributes[c.ROOT_SHIFTED_MS] = round((framework_start - arrival.start_ns) / 1e6, 3)
-        attributes[c.ROOT_FRAMEWORK_START_NS] = root[wire.SPAN_START]
+        attributes[c.ROOT_FRAMEWORK_START_NS] = root.start_ns
         return wire.replace_span(root, start_ns=arrival.start_ns + offset, attributes=attributes), before
 
     def _resolve_cpu(self, stages: Sequence[wire.ShippedStage], offset: int) -> None:
@@ -405,11 +405,9 @@ class ExporterCore:
         self.handled += 1
         kind = foreign_kind(span)
         if kind is not None:
-            self.metrics.record_stage(
-                span[wire.SPAN_NAME], kind, (span[wire.SPAN_END] - span[wire.SPAN_START]) / 1e6, None
-            )
+            self.metrics.record_stage(span.name, kind, (span.end_ns - span.start_ns) / 1e6, None)
             span = as_stage_span(span, kind, {c.LATE: True})
-        if self.decisions.kept(span[wire.SPAN_TRACE_ID]):
+        if self.decisions.kept(span.trace_id):
             self.outputs.export([span])
 
     # --- application-side measurements ------------------------------------------------------------------

@@ -12,20 +12,18 @@ from opentelemetry.trace import StatusCode
 from stagetrace import conventions as c
 from stagetrace.common import wire
 
-_SCOPE = wire.SPAN_INDEX["scope_name"]
-_PARENT = wire.SPAN_INDEX["parent_span_id"]
 _ERROR = StatusCode.ERROR.value
 _FAILED = ("error", "", "")  # the stage failed; its exception events stay on its own span, exported as it is
 
 
-def foreign_kind(span: Sequence[Any]) -> str | None:
+def foreign_kind(span: wire.WireSpan) -> str | None:
     """The stage kind of a span that is read as a stage, or None."""
-    return c.FOREIGN_STAGES.get((span[_SCOPE], span[wire.SPAN_NAME]))
+    return c.FOREIGN_STAGES.get((span.scope_name, span.name))
 
 
 def split_foreign_stages(
-    spans: Iterable[tuple[Any, ...]], offset: int
-) -> tuple[list[tuple[wire.ShippedStage, tuple[Any, ...]]], list[tuple[Any, ...]]]:
+    spans: Iterable[wire.WireSpan], offset: int
+) -> tuple[list[tuple[wire.ShippedStage, wire.WireSpan]], list[wire.WireSpan]]:
     """(stage read from the span, the span) for each span read as a stage; and the other spans."""
     stages, others = [], []
     for span in spans:
@@ -34,23 +32,23 @@ def split_foreign_stages(
             others.append(span)
             continue
         stage = wire.ShippedStage.added(
-            span[wire.SPAN_NAME],
+            span.name,
             kind,
-            span[wire.SPAN_ID],
-            span[_PARENT],
-            span[wire.SPAN_START] - offset,  # onto the stages' perf-counter clock
-            span[wire.SPAN_END] - offset,
+            span.span_id,
+            span.parent_span_id,
+            span.start_ns - offset,  # onto the stages' perf-counter clock
+            span.end_ns - offset,
         )
-        if span[wire.SPAN_STATUS] == _ERROR:
+        if span.status_code == _ERROR:
             stage.error = _FAILED
         stages.append((stage, span))
     return stages, others
 
 
-def link_enclosing_stages(stages: Sequence[Any], spans: Iterable[Sequence[Any]]) -> None:
+def link_enclosing_stages(stages: Sequence[Any], spans: Iterable[wire.WireSpan]) -> None:
     """Point each stage's ``parent_stage_id`` at its nearest enclosing stage through the other spans of the
     trace: a stage inside a span read as a stage was recorded without knowing it was one."""
-    parent_of = {span[wire.SPAN_ID]: span[_PARENT] for span in spans}
+    parent_of = {span.span_id: span.parent_span_id for span in spans}
     stage_ids = {st.span_id for st in stages}
     for st in stages:
         p = st.parent_span_id
@@ -62,9 +60,9 @@ def link_enclosing_stages(stages: Sequence[Any], spans: Iterable[Sequence[Any]])
             st.parent_stage_id = p
 
 
-def as_stage_span(span: tuple[Any, ...], kind: str, extra: dict[str, Any] | None = None) -> tuple[Any, ...]:
+def as_stage_span(span: wire.WireSpan, kind: str, extra: dict[str, Any] | None = None) -> wire.WireSpan:
     """The span itself, with the attributes of a stage span."""
-    attributes = {**span[wire.SPAN_ATTRIBUTES], c.STAGE: span[wire.SPAN_NAME], c.STAGE_KIND: kind}
+    attributes = {**span.attributes, c.STAGE: span.name, c.STAGE_KIND: kind}
     if extra:
         attributes.update(extra)
     return wire.replace_span(span, attributes=attributes)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from enum import Enum
-from typing import Any
 
 from stagetrace.analysis import Verdict
+from stagetrace.common.wire import WireSpan
 
 _ID_MASK = (1 << 64) - 1
 _MIX = 0x9E3779B97F4A7C15  # an odd constant: multiplication by it permutes the 64-bit values
@@ -82,7 +82,7 @@ class RecentDecisions:
         return self._kept.get(trace_id)
 
 
-Spans = list[tuple[Any, ...]]
+Spans = list[WireSpan]
 
 
 class _Pending:

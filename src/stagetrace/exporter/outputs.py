@@ -45,7 +45,7 @@ class SpanSink(Protocol):
     """Where kept spans (wire tuples) go in this process: an SDK span processor (``SpanForwarder``) or the
     OTLP/HTTP bytes path (``otlp_sink.WireBatchSink``)."""
 
-    def export(self, spans: Sequence[tuple[Any, ...]]) -> None: ...
+    def export(self, spans: Sequence[wire.WireSpan]) -> None: ...
     def flush(self, timeout_s: float) -> bool: ...
 
 
@@ -53,7 +53,7 @@ class _FanOut:
     def __init__(self, sinks: Sequence[SpanSink]) -> None:
         self.sinks = tuple(sinks)
 
-    def export(self, spans: Sequence[tuple[Any, ...]]) -> None:
+    def export(self, spans: Sequence[wire.WireSpan]) -> None:
         for sink in self.sinks:
             sink.export(spans)
 
@@ -77,7 +77,7 @@ class SpanForwarder:
         self.resource = resource
         self._on_drop = on_drop
 
-    def export(self, spans: Sequence[tuple[Any, ...]]) -> None:
+    def export(self, spans: Sequence[wire.WireSpan]) -> None:
         processor, resource = self.processor, self.resource
         for packed in spans:
             try:
@@ -110,7 +110,7 @@ class LocalOutputs:
         self.wants_verdicts = bool(self.callbacks)
         self._flush_metrics = flush_metrics
 
-    def export(self, spans: Sequence[tuple[Any, ...]]) -> None:
+    def export(self, spans: Sequence[wire.WireSpan]) -> None:
         if self.spans is not None:
             self.spans.export(spans)
 

@@ -108,7 +108,7 @@ class ReturningOutputs:
         self.recorder = MetricsRecorder() if metrics else None
         self.metrics: MetricsSink = TeeMetrics(own.metrics, self.recorder) if self.recorder else own.metrics
 
-    def export(self, spans: Sequence[tuple[Any, ...]]) -> None:
+    def export(self, spans: Sequence[wire.WireSpan]) -> None:
         self.own.export(spans)
         if self.return_spans:
             self.sender.queue((wire.SPANS, tuple(spans)))

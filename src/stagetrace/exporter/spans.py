@@ -1,4 +1,4 @@
-"""Spans built from shipped records, as wire tuples (``handoff.wire.SPAN_FIELDS``) with their true
+"""Spans built from shipped records, as wire tuples (``common.wire.WireSpan``) with their true
 timestamps: stage spans, and the local root with the verdict.
 
 Pure functions of their inputs: no clocks, no I/O, no global state. The stage span ids were allocated on
@@ -104,7 +104,7 @@ def stage_links(stage: Any, flags: int) -> tuple[Any, ...]:
 
 def stage_span(
     stage: Any, trace_id: int, perf_to_epoch_ns: int, flags: int, trace_state: str, extra: dict[str, Any] | None = None
-) -> tuple[Any, ...]:
+) -> wire.WireSpan:
     """``perf_to_epoch_ns`` moves the stage's perf-counter times onto the epoch clock of its trace."""
     start = stage.start_ns + perf_to_epoch_ns
     end = max(start, stage.end_ns + perf_to_epoch_ns)
@@ -120,27 +120,27 @@ def stage_span(
             ),
         )
         status, description = StatusCode.ERROR.value, f"{etype}: {message}"[:256]
-    return (
-        stage.name,
-        trace_id,
-        stage.span_id,
-        stage.parent_span_id,
-        False,
-        SpanKind.INTERNAL.value,
-        start,
-        end,
-        stage_attributes(stage, extra),
-        events,
-        stage_links(stage, flags),
-        status,
-        description,
-        c.INSTRUMENTATION_NAME,
-        __version__,
-        flags,
-        trace_state,
-        0,
-        0,
-        0,
+    return wire.WireSpan(
+        name=stage.name,
+        trace_id=trace_id,
+        span_id=stage.span_id,
+        parent_span_id=stage.parent_span_id,
+        parent_is_remote=False,
+        kind=SpanKind.INTERNAL.value,
+        start_ns=start,
+        end_ns=end,
+        attributes=stage_attributes(stage, extra),
+        events=events,
+        links=stage_links(stage, flags),
+        status_code=status,
+        status_description=description,
+        scope_name=c.INSTRUMENTATION_NAME,
+        scope_version=__version__,
+        flags=flags,
+        trace_state=trace_state,
+        dropped_attributes=0,
+        dropped_events=0,
+        dropped_links=0,
     )
 
 
@@ -210,9 +210,9 @@ def strip_query_strings(attributes: dict[str, Any]) -> None:
         attributes.pop(key, None)
 
 
-def root_with_verdict(root: tuple[Any, ...], verdict: Verdict, *, keep_query_strings: bool = False) -> tuple[Any, ...]:
+def root_with_verdict(root: wire.WireSpan, verdict: Verdict, *, keep_query_strings: bool = False) -> wire.WireSpan:
     """The local root's wire tuple with the verdict attributes and one event per diagnosis."""
-    attributes = dict(root[wire.SPAN_ATTRIBUTES])
+    attributes = dict(root.attributes)
     if not keep_query_strings:
         strip_query_strings(attributes)
     attributes.update(verdict_attributes(verdict))
@@ -222,25 +222,25 @@ def root_with_verdict(root: tuple[Any, ...], verdict: Verdict, *, keep_query_str
     if verdict.stream is not None and verdict.stream.disconnected:
         attributes.setdefault(c.ERROR_TYPE, c.CLIENT_DISCONNECTED)  # as FastAPI's own telemetry marks it
         changes["status_code"] = StatusCode.ERROR.value
-    events = tuple(root[wire.SPAN_EVENTS]) + diagnosis_events(verdict, root[wire.SPAN_END])
+    events = tuple(root.events) + diagnosis_events(verdict, root.end_ns)
     return wire.replace_span(root, attributes=attributes, events=events, **changes)
 
 
-def batch_spans(root: tuple[Any, ...], new_span_id: Callable[[], int]) -> list[tuple[Any, ...]]:
+def batch_spans(root: wire.WireSpan, new_span_id: Callable[[], int]) -> list[wire.WireSpan]:
     """The batch span with its links to every member, in chunks: the span keeps the first
     ``MAX_LINKS_PER_SPAN``; each further chunk goes on a child span ``<name> members``."""
-    links = root[wire.SPAN_INDEX["links"]]
+    links = root.links
     if len(links) <= MAX_LINKS_PER_SPAN:
         return [root]
     out = [wire.replace_span(root, links=links[:MAX_LINKS_PER_SPAN])]
-    attributes = {k: v for k, v in root[wire.SPAN_ATTRIBUTES].items() if k == c.BATCH_ID}
+    attributes = {k: v for k, v in root.attributes.items() if k == c.BATCH_ID}
     for first in range(MAX_LINKS_PER_SPAN, len(links), MAX_LINKS_PER_SPAN):
         out.append(
             wire.replace_span(
                 root,
-                name=f"{root[wire.SPAN_NAME]} members",
+                name=f"{root.name} members",
                 span_id=new_span_id(),
-                parent_span_id=root[wire.SPAN_ID],
+                parent_span_id=root.span_id,
                 parent_is_remote=False,
                 attributes=dict(attributes),
                 events=(),

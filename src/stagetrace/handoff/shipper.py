@@ -415,7 +415,7 @@ class Shipper:
         ctx = root.context
         packed_root = pack_any_span(root)
         if trace.batch is not None:
-            packed_root = wire.replace_span(packed_root, links=tuple(wire.member_link(*m) for m in trace.batch.members))
+            packed_root = wire.with_links(packed_root, tuple(wire.member_link(*m) for m in trace.batch.members))
         return (
             wire.TRACE,
             trace.trace_id,
