@@ -174,7 +174,9 @@ def test_metric_attributes_follow_the_contract(make_harness):
     assert all(set(p.attributes) == {c.DIAGNOSIS_CODE} for p in diagnosis_points)
     codes = {p.attributes[c.DIAGNOSIS_CODE] for p in diagnosis_points}
     assert "UNTRACKED_TIME" in codes
-    assert codes <= {"UNTRACKED_TIME", "LOCK_OR_IO_WAIT"}  # the stage sleeps: off-CPU, GIL free
+    # the stage sleeps: off-CPU with the GIL free; on a host short of CPUs the wait may go undetermined or be
+    # a wait for a CPU, never the GIL
+    assert codes <= {"UNTRACKED_TIME", "LOCK_OR_IO_WAIT", "OFF_CPU_WAIT", "CPU_OVERSUBSCRIBED"}
 
 
 def test_untracked_time_diagnosis_is_a_root_event(harness):

@@ -349,6 +349,10 @@ def test_the_loop_wait_message_names_a_single_blocker_whole_even_with_spaces_in_
     assert one["EVENT_LOOP_BLOCKED"].message.endswith(f"held it: 'resize image' of trace {'c' * 32}")
     unnamed = run(waits)  # blockers not known: the wait is still measured
     assert unnamed["EVENT_LOOP_BLOCKED"].message.endswith("while other requests' sync stages held it")
+    # ... unless the loop monitor saw the loop's thread do no work meanwhile: starved (of the GIL, of a CPU),
+    # not held, and no `def` or offload would help
+    assert "EVENT_LOOP_BLOCKED" not in run(waits, signals=TraceSignals(loop_held_ms=0.0, loop_lag_ms=70.0))
+    assert "EVENT_LOOP_BLOCKED" in run(waits, signals=TraceSignals(loop_held_ms=20.0, loop_lag_ms=70.0))
 
 
 def test_a_wait_as_long_as_the_requests_own_blocking_stage_names_its_own_stage():

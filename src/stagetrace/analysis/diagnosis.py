@@ -198,8 +198,13 @@ def event_loop_blocked(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: 
     on_loop = [s for s in stages if s.on_event_loop and s.kind not in GPU_KINDS and s.wall_ms >= th.event_loop_stage_ms]
     own = max(on_loop, key=lambda s: s.wall_ms) if on_loop else None
     wait_ms = sum(occurrences_ms(s) for s in stages if s.name == EVENT_LOOP_WAIT and s.kind == "wait")
+    # A wait with no stage named as its holder is blamed on the loop only where work on the loop's own thread
+    # could have held it (the loop monitor did not measure, or measured the thread working): a loop its thread
+    # could not run because it waited for the GIL or a CPU was starved, which no `def` or offload would fix.
+    held_by_work = bool(sig.blocked_by) or sig.loop_held_ms is None or sig.loop_held_ms >= th.event_loop_wait_ms
     waited = (
-        a.total_ms > 0
+        held_by_work
+        and a.total_ms > 0
         and wait_ms >= th.event_loop_wait_ms
         and wait_ms >= th.event_loop_wait_share * a.total_ms
         and (own is None or wait_ms > own.wall_ms)

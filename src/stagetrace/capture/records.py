@@ -122,7 +122,7 @@ class StageRecord(SpanContextOnDemand, NonRecordingSpan):
     implicit_root: Any = None  # the root this stage opened because it ran outside any trace
     on_event_loop = False
     blocks_loop = False  # on the loop thread and not inside another stage that already holds it
-    # Shipped fields (handoff.wire.STAGE_FIELDS) beyond times and ids, filled in by the integrations and
+    # Shipped fields (common.wire.STAGE_FIELDS) beyond times and ids, filled in by the integrations and
     # by the GPU timer on the helper thread.
     gpu_ms: float | None = None
     h2d_bytes: int | None = None
@@ -216,7 +216,7 @@ class Repeat:
         "sum_ns",
     )
 
-    # The shipped fields (handoff.wire.STAGE_FIELDS) a composite has no value for; no CUDA events of its own.
+    # The shipped fields (common.wire.STAGE_FIELDS) a composite has no value for; no CUDA events of its own.
     cpu_start = cpu_end = attributes = gpu_ms = gpu_utilization = h2d_bytes = h2d_pinned = None
     queue_saturated = gpu = None
     on_event_loop = False
@@ -256,7 +256,22 @@ class Repeat:
         return self
 
     def fold(self, rec: StageRecord) -> None:
-        if self.add(rec.start_ns, rec.end_ns, rec.error):
+        """``add`` for an occurrence recorded as a stage, which becomes the example when it is the slowest
+        (written out: it runs for every folded occurrence on the request thread)."""
+        start, end = rec.start_ns, rec.end_ns
+        ns = end - start if end > start else 0
+        self.folded += 1
+        if self.folded == 1:
+            self.start_ns, self.min_ns = start, ns
+        self.sum_ns += ns
+        if end > self.end_ns:
+            self.end_ns = end
+        if ns < self.min_ns:
+            self.min_ns = ns
+        if rec.error is not None and self.error is None:
+            self.error = rec.error
+        if ns >= self.max_ns:
+            self.max_ns = ns
             self.slowest = rec
 
     def add(self, start: int, end: int, error: tuple[str, str, str] | None = None) -> bool:

@@ -74,7 +74,9 @@ def validate_stage_name(name: object) -> str:
     """
     if not isinstance(name, str):
         raise TypeError(f"stage name must be a str, got {type(name).__name__}")
-    cleaned = "".join(ch if ch.isprintable() else "?" for ch in name.strip())
+    cleaned = name.strip()
+    if not cleaned.isprintable():  # one C call for the usual name; the per-character pass only to repair one
+        cleaned = "".join(ch if ch.isprintable() else "?" for ch in cleaned)
     if not cleaned:
         raise ValueError("stage name must be a non-empty string")
     if cleaned in RESERVED_STAGE_NAMES:
@@ -190,7 +192,7 @@ def enter_stage(
                 if parent is None or not parent.on_event_loop:
                     rec.blocks_loop = True
             signals = rt.cpu_signals
-            if signals is not None:
+            if signals is not None and repeat is None:  # a folded occurrence: its time only
                 # Every sync stage gets the thread's CPU clock (0.3 us), so a stage that turns out long has
                 # cpu_ms and blocked_ms even when its name usually runs short. Names that recently ran for
                 # 0.5 ms or more also get schedstat (~4.5 us here), which splits out run-queue time.
@@ -225,7 +227,7 @@ def exit_stage(rec: StageRecord | None, exc: BaseException | None, end_ns: int |
         start = rec.cpu_start
         if start is not None:
             rec.cpu_end = _thread_time_ns() if type(start) is int else rt.cpu_signals.read()
-        if rt.cpu_signals is not None:
+        if rt.cpu_signals is not None and rec.repeat is None:
             recent = rt.recent_stage_ms
             ms = (end - rec.start_ns) / 1e6
             previous = recent.get(rec.name)
