@@ -20,9 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a traced inference service under load and show where the time goes")
-    demo.add_argument("--requests", type=_positive_int, default=200, help="requests to send (default 200)")
+    demo.add_argument("--requests", type=_positive_int, help="requests to send (default 200; llm: 40)")
     demo.add_argument("--concurrency", type=_positive_int, default=8, help="requests in flight (default 8)")
-    demo.add_argument("--pipeline", choices=("image", "text"), default="image")
+    demo.add_argument("--pipeline", choices=("image", "text", "llm"), default="image")
     demo.add_argument("--optimized", action="store_true", help="also run the fixed pipeline and compare")
     demo.add_argument("--out", default="stagetrace-out", help="where traces and the HTML report go")
     demo.add_argument("--slow-threshold-ms", type=float, default=None, help="slow-trace threshold (default 200)")

@@ -2,6 +2,8 @@
 
 image: JPEG bytes -> PIL decode -> resize -> tensor -> h2d -> small CNN -> d2h -> postprocess to JSON
 text:  text -> slow regex tokenizer -> tensor -> h2d -> embedding classifier -> d2h -> JSON
+llm:   prompt -> BPE tokenize -> prefill -> per token: decode_step, detokenize, one SSE event, from an engine that
+       batches every stream in flight (``demo.llm``)
 
 The naive endpoints are ``async def`` and do their CPU work (decode, resize, tokenize) on the event loop and
 copy from pageable memory. The optimized ones decode at reduced size (JPEG DCT scaling) on a pool of
@@ -144,7 +146,8 @@ def _postprocess(logits: Any) -> dict[str, Any]:
     return {"top": [{"label": LABELS[i], "p": round(float(p), 4)} for p, i in zip(top.values, top.indices)]}
 
 
-def build_app(device: Any) -> Any:
+def build_app(device: Any, pipeline: str = "image") -> Any:
+    """The service; the LLM pipeline's routes (its tokenizer trained, its model made) only when asked."""
     import numpy as np
     import torch
     from PIL import Image
@@ -231,6 +234,10 @@ def build_app(device: Any) -> Any:
         ids = await loop.run_in_executor(workers, tokenize)
         return await loop.run_in_executor(model_thread, infer, text_model, ids)
 
+    if pipeline == "llm":
+        from stagetrace.demo import llm
+
+        llm.add_routes(app, device)
     return app
 
 
@@ -239,4 +246,19 @@ ROUTES = {
     ("image", True): "/predict-optimized",
     ("text", False): "/classify",
     ("text", True): "/classify-optimized",
+    ("llm", False): "/generate",
+    ("llm", True): "/generate-optimized",
 }
+# Requests a run sends unless told: 10 to 20 seconds of each pipeline on a 2-core machine.
+DEFAULT_REQUESTS = {"image": 200, "text": 200, "llm": 40}
+
+
+def make_payload(pipeline: str) -> tuple[bytes, str]:
+    """What each request of the pipeline sends, and its content type."""
+    if pipeline == "image":
+        return make_jpeg(), "application/octet-stream"
+    if pipeline == "llm":
+        from stagetrace.demo import llm
+
+        return llm.make_payload(), "application/json"
+    return make_text().encode(), "application/octet-stream"

@@ -8,8 +8,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import stagetrace
 from stagetrace.analysis import Verdict
@@ -60,14 +61,39 @@ def _serve(app: Any) -> tuple[Any, threading.Thread, str]:
     return server, thread, f"http://127.0.0.1:{port}"
 
 
-def _drive(url: str, path: str, requests: int, concurrency: int, payload: bytes, progress: _Progress) -> list[float]:
-    """Run the load generator; the milliseconds each successful request lived, as its client timed it."""
-    lived: list[float] = []
+class Lived(NamedTuple):
+    """What the clients lived, as they timed it (milliseconds)."""
+
+    total: list[float]  # each successful request, to the last byte of its response
+    first_event: list[float]  # each streamed one, to its first server-sent event (time to first token)
+
+
+def _drive(
+    url: str,
+    path: str,
+    requests: int,
+    concurrency: int,
+    payload: bytes,
+    progress: _Progress,
+    content_type: str = "application/octet-stream",
+) -> Lived:
+    """Run the load generator; how long each successful request lived, as its client timed it."""
+    lived = Lived([], [])
     with tempfile.NamedTemporaryFile(delete=False, suffix=".bin") as fh:
         fh.write(payload)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "stagetrace.demo.load", url, path, str(requests), str(concurrency), fh.name],
+            [
+                sys.executable,
+                "-m",
+                "stagetrace.demo.load",
+                url,
+                path,
+                str(requests),
+                str(concurrency),
+                fh.name,
+                content_type,
+            ],
             stdout=subprocess.PIPE,
             text=True,
             env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
@@ -76,7 +102,10 @@ def _drive(url: str, path: str, requests: int, concurrency: int, payload: bytes,
         for line in proc.stdout:
             ok = line.startswith("ok")
             if ok:
-                lived.append(float(line.split()[1]))
+                fields = line.split()
+                lived.total.append(float(fields[1]))
+                if len(fields) > 2:
+                    lived.first_event.append(float(fields[2]))
             progress.tick(ok)
         proc.wait(timeout=60)
     finally:
@@ -84,45 +113,93 @@ def _drive(url: str, path: str, requests: int, concurrency: int, payload: bytes,
     return lived
 
 
-def _clients_line(lived: list[float]) -> str:
-    """The latency the clients lived, to read beside the traces' own (they should agree: a trace starts
-    when its request reached the server, event-loop wait included)."""
-    if not lived:
-        return "as the clients timed them: no request succeeded"
-    ordered = sorted(lived)
+def _quantiles(values: list[float]) -> str:
+    ordered = sorted(values)
 
     def q(p: float) -> float:
         return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
 
-    return f"as the clients timed them: p50 {q(0.50):.1f} ms, p95 {q(0.95):.1f} ms, p99 {q(0.99):.1f} ms"
+    return f"p50 {q(0.50):.1f} ms, p95 {q(0.95):.1f} ms, p99 {q(0.99):.1f} ms"
+
+
+def _clients_line(lived: Lived) -> str:
+    """The latency the clients lived, to read beside the traces' own (they should agree: a trace starts
+    when its request reached the server, event-loop wait included); for streams, their first event too."""
+    if not lived.total:
+        return "as the clients timed them: no request succeeded"
+    line = f"as the clients timed them: {_quantiles(lived.total)}"
+    if lived.first_event:
+        line += f"; first event (time to first token) {_quantiles(lived.first_event)}"
+    return line
+
+
+def _at(summary: dict[str, Any], path: tuple[str, ...]) -> Any:
+    """``summary[path[0]][path[1]]...``, or None where any step is missing."""
+    value: Any = summary
+    for key in path:
+        if not isinstance(value, dict) or value.get(key) is None:
+            return None
+        value = value[key]
+    return value
+
+
+def _top(counts: dict[str, int]) -> str:
+    """The most frequent name and its share: ``detokenize 98%``."""
+    name = max(counts, key=counts.__getitem__)
+    return f"{name} {counts[name] / sum(counts.values()):.0%}"
+
+
+Row = tuple[str, str, str]
+
+
+def _row(
+    label: str,
+    before: dict[str, Any],
+    after: dict[str, Any],
+    path: tuple[str, ...],
+    fmt: str | Callable[[Any], str] = "{:.2f}",
+    missing: str = "-",
+) -> Row:
+    """One line of the before/after table: the value at ``path`` in each summary, formatted."""
+    show = fmt.format if isinstance(fmt, str) else fmt
+    b, a = (_at(s, path) for s in (before, after))
+    return (label, missing if b is None else show(b), missing if a is None else show(a))
+
+
+def _names(before: dict[str, Any], after: dict[str, Any], key: str) -> list[str]:
+    """The names under ``key`` in either summary, in the order they were first seen."""
+    return list(dict.fromkeys([*(before.get(key) or {}), *(after.get(key) or {})]))
+
+
+QS = ("p50", "p99")
+
+
+def _stream_rows(b: dict[str, Any], a: dict[str, Any]) -> list[Row]:
+    """What the streams' clients lived and which stage held each phase; none without streams."""
+    if not (b.get("streams") or a.get("streams")):
+        return []
+    rows = [_row(f"time to first chunk {q} ms", b, a, ("streams", "first_chunk_ms", q), "{:.1f}") for q in QS]
+    rows += [_row(f"gap p99 ms, {q} of streams", b, a, ("streams", "gap_p99_ms", q)) for q in QS]
+    rows.append(_row("chunks a stream (mean)", b, a, ("streams", "chunks_mean"), "{:.0f}"))
+    rows.append(_row("bottleneck to first chunk", b, a, ("streams", "first_chunk_bottlenecks"), _top))
+    rows.append(_row("bottleneck between chunks", b, a, ("streams", "gap_bottlenecks"), _top))
+    return rows
 
 
 def _compare(before: dict[str, Any], after: dict[str, Any]) -> str:
-    rows = [("traces", str(before["traces"]), str(after["traces"]))]
-    for q in ("p50", "p95", "p99"):
-        rows.append((f"request {q} ms", f"{before['total_ms'][q]:.1f}", f"{after['total_ms'][q]:.1f}"))
-    rows.append(("slow traces", str(before["slow_traces"]), str(after["slow_traces"])))
-    for name in dict.fromkeys([*before["stages"], *after["stages"]]):
-        b, a = before["stages"].get(name), after["stages"].get(name)
-        rows.append((f"  {name} p50 ms", f"{b['p50_ms']:.2f}" if b else "-", f"{a['p50_ms']:.2f}" if a else "-"))
-    for name in dict.fromkeys([*before.get("batches", {}), *after.get("batches", {})]):
-        b, a = before.get("batches", {}).get(name), after.get("batches", {}).get(name)
-        rows.append(
-            (
-                f"  {name} batch size (mean)",
-                f"{b['size_mean']:.1f}" if b else "-",
-                f"{a['size_mean']:.1f}" if a else "-",
-            )
-        )
-        fill = lambda x: f"{x['fill_mean']:.0%}" if x and x["fill_mean"] is not None else "-"  # noqa: E731
-        rows.append((f"  {name} batch fill (mean)", fill(b), fill(a)))
-    for name in dict.fromkeys([*before.get("batch_waits", {}), *after.get("batch_waits", {})]):
-        b, a = before.get("batch_waits", {}).get(name), after.get("batch_waits", {}).get(name)
+    b, a = before, after
+    rows = [_row("traces", b, a, ("traces",), "{}")]
+    rows += [_row(f"request {q} ms", b, a, ("total_ms", q), "{:.1f}") for q in ("p50", "p95", "p99")]
+    rows.append(_row("slow traces", b, a, ("slow_traces",), "{}"))
+    rows += _stream_rows(b, a)
+    rows += [_row(f"  {name} p50 ms", b, a, ("stages", name, "p50_ms")) for name in _names(b, a, "stages")]
+    for name in _names(b, a, "batches"):
+        rows.append(_row(f"  {name} batch size (mean)", b, a, ("batches", name, "size_mean"), "{:.1f}"))
+        rows.append(_row(f"  {name} batch fill (mean)", b, a, ("batches", name, "fill_mean"), "{:.0%}"))
+    for name in _names(b, a, "batch_waits"):
         for key, label in (("formation_p50_ms", "forming"), ("busy_p50_ms", "behind previous")):
-            rows.append((f"  {name} {label} p50 ms", f"{b[key]:.2f}" if b else "-", f"{a[key]:.2f}" if a else "-"))
-    codes = dict.fromkeys([*before["diagnoses"], *after["diagnoses"]])
-    for code in codes:
-        rows.append((f"  {code}", str(before["diagnoses"].get(code, 0)), str(after["diagnoses"].get(code, 0))))
+            rows.append(_row(f"  {name} {label} p50 ms", b, a, ("batch_waits", name, key)))
+    rows += [_row(f"  {code}", b, a, ("diagnoses", code), "{}", missing="0") for code in _names(b, a, "diagnoses")]
     w = max(len(r[0]) for r in rows)
     lines = [f"{'':{w}}  {'before':>10}  {'after (--optimized)':>20}"]
     lines += [f"{label:{w}}  {b:>10}  {a:>20}" for label, b, a in rows]
@@ -131,7 +208,7 @@ def _compare(before: dict[str, Any], after: dict[str, Any]) -> str:
 
 def run_demo(
     *,
-    requests: int = 200,
+    requests: int | None = None,
     concurrency: int = 8,
     pipeline: str = "image",
     optimized: bool = False,
@@ -143,6 +220,7 @@ def run_demo(
 
     from stagetrace.demo import pipelines
 
+    requests = requests or pipelines.DEFAULT_REQUESTS[pipeline]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("traces-stagetrace-demo-*.jsonl*"):
@@ -165,12 +243,12 @@ def run_demo(
         settings=stagetrace.Settings(healthy_sample=1.0, export_budget_per_s=None),
     )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    app = pipelines.build_app(device)
+    app = pipelines.build_app(device, pipeline)
     stagetrace.instrument_fastapi(app)
-    payload = pipelines.make_jpeg() if pipeline == "image" else pipelines.make_text().encode()
+    payload, content_type = pipelines.make_payload(pipeline)
     server, thread, url = _serve(app)
     summaries: dict[bool, dict[str, Any]] = {}
-    clients: dict[bool, list[float]] = {}
+    clients: dict[bool, Lived] = {}
     try:
         print(
             f"stagetrace demo: {pipeline} pipeline on {device.type}, service at {url}, "
@@ -181,7 +259,7 @@ def run_demo(
             route = pipelines.ROUTES[(pipeline, fixed)]
             aggregators[route] = Aggregator()
             bar = _Progress(requests, "optimized" if fixed else "baseline", progress)
-            clients[fixed] = _drive(url, route, requests, concurrency, payload, bar)
+            clients[fixed] = _drive(url, route, requests, concurrency, payload, bar, content_type)
             handle.force_flush()
             summaries[fixed] = aggregators[route].summary()
             if bar.errors:
@@ -198,8 +276,11 @@ def run_demo(
         from stagetrace.report.collect import aggregate_files
 
         for fixed, summary in summaries.items():
+            # The llm engine batches in both runs, and batch executions (with no route) cannot be told apart
+            # by run: only the requests' own batch waits are read for it.
+            batches = fixed and pipeline != "llm"
             from_file, _ = aggregate_files(
-                [str(handle.traces_path)], route=pipelines.ROUTES[(pipeline, fixed)], err=sys.stderr, batches=fixed
+                [str(handle.traces_path)], route=pipelines.ROUTES[(pipeline, fixed)], err=sys.stderr, batches=batches
             )
             summary.update({k: v for k, v in from_file.summary().items() if k in ("batches", "batch_waits")})
             if not fixed:
