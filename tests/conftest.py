@@ -128,7 +128,7 @@ def spare_cpus() -> None:
 def rules_that_cannot_fire() -> DiagnosisThresholds:
     """Thresholds no trace can reach. For tests that need a healthy trace to stay undiagnosed on a loaded
     host (where any request can lose time to the scheduler and be rightly diagnosed);
-    ``tests/test_diagnosis.py`` checks that no rule fires with them."""
+    ``tests/analysis/test_rules.py`` checks that no rule fires with them."""
     return DiagnosisThresholds.silent()
 
 

@@ -3,8 +3,9 @@ a user reads in Jaeger and in the log line, so its numbers and its choice of sta
 
 from __future__ import annotations
 
+from trace_builders import MS, cpu, run
+
 from stagetrace.analysis import BatchInfo, StageSample, TraceSignals
-from test_diagnosis import MS, cpu, run
 
 
 def only(found: dict, code: str):

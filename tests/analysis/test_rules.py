@@ -5,23 +5,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from trace_builders import MS, cpu, run
 
 from conftest import rules_that_cannot_fire
-from stagetrace.analysis import BatchInfo, DiagnosisThresholds, StageSample, TraceSignals, analyse_trace, diagnose
+from stagetrace.analysis import BatchInfo, DiagnosisThresholds, StageSample, TraceSignals, analyse_trace
 from stagetrace.analysis.diagnosis import ADVICE, RULE_CODES, RULES
 from stagetrace.analysis.streams import StreamSummary
-
-MS = 1_000_000
-
-
-def run(stages, total_ms=100, signals=TraceSignals(), thresholds=DiagnosisThresholds()):
-    a = analyse_trace(0, int(total_ms * MS), stages, 200)
-    return {d.code: d for d in diagnose(a, stages, signals, thresholds)}
-
-
-def cpu(name, start, end, **kw):
-    return StageSample(name, kw.pop("kind", "cpu"), int(start * MS), int(end * MS), **kw)
-
 
 HEALTHY = [cpu("decode", 0, 30, cpu_ms=29, blocked_ms=0.5, runqueue_ms=0.5), cpu("post", 30, 95, cpu_ms=64)]
 

@@ -5,6 +5,7 @@ kind. Each test pins one decision the mutation run showed no other test pinned."
 from __future__ import annotations
 
 import pytest
+from trace_builders import MS, cpu, run
 
 from stagetrace.analysis import (
     BatchInfo,
@@ -16,7 +17,6 @@ from stagetrace.analysis import (
     build_verdict,
     diagnose,
 )
-from test_diagnosis import MS, cpu, run
 
 
 def codes(found: dict) -> set[str]:
