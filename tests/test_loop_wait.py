@@ -260,3 +260,42 @@ def test_several_own_stages_inside_one_blocked_stretch_are_all_taken_out():
     own = [(10 * MS, 12 * MS), (20 * MS, 22 * MS), (30 * MS, 32 * MS)]
     waits = loop_waits((0, 100 * MS), own, [block(0, 50, 2)], trace_id=1)
     assert ms(waits) == [(0, 10), (12, 20), (22, 30), (32, 50)]
+
+
+def test_many_stretches_fold_and_are_charged_once(harness):
+    """A request held back again and again (more stretches than KEEP_REPEATS) gets its waits folded into a
+    composite, with the slowest kept as an example: the wait is charged once, never more than the request."""
+    import httpx
+
+    app = FastAPI()
+
+    @app.get("/victim")
+    async def victim():
+        for _ in range(12):
+            await asyncio.sleep(0.001)  # ready again at once, while the hog's stage holds the loop
+        return {}
+
+    @app.get("/hog")
+    async def hog():
+        for _ in range(12):
+            with stagetrace.stage("resize"):
+                busy(6)
+            await asyncio.sleep(0)
+        return {}
+
+    stagetrace.instrument_fastapi(app)
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            await asyncio.gather(client.get("/hog"), client.get("/victim"))
+
+    asyncio.run(main())
+    verdicts = harness.wait_verdicts(2)
+    (v,) = [v for v in verdicts if v.root_name.endswith("/victim")]
+    waits = [s for s in harness.by_name(c.EVENT_LOOP_WAIT) if format_trace_id(s.context.trace_id) == v.trace_id]
+    folded = [s for s in waits if c.COMPRESSED_COUNT in s.attributes]
+    assert folded, [(s.start_time, s.end_time) for s in waits]  # more stretches than are kept whole
+    whole = [s for s in waits if c.COMPRESSED_COUNT not in s.attributes and not s.attributes.get(c.COMPRESSED_SLOWEST)]
+    lived = sum(s.end_time - s.start_time for s in whole) / 1e6 + sum(s.attributes[c.COMPRESSED_SUM_MS] for s in folded)
+    assert v.breakdown[c.EVENT_LOOP_WAIT] == pytest.approx(lived, abs=0.01)
+    assert v.breakdown[c.EVENT_LOOP_WAIT] <= v.total_ms

@@ -194,7 +194,7 @@ class ExporterCore:
             own += zip(t.worker_runs[::2], t.worker_runs[1::2])  # the request's code on worker threads
             waits, blocked_by = self._loop_waits(trace_id, t.loop_thread, root, offset, own)
             stages = stages + waits
-            analysed = analysed + waits
+            analysed = analysed + [w for w in waits if not w.example]  # a folded stretch's example: counted once
         if t.task_created_ns and t.loop_thread:
             root, before = self._wait_before_root(t, root)
             if before is not None:
