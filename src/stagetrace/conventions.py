@@ -59,7 +59,7 @@ DIAGNOSIS = "stagetrace.diagnosis"
 # GPU_UTILIZATION is reused on the root for the mean over the trace.
 # Extensions beyond the contract: the process signals the diagnosis was judged on.
 GIL_PRESSURE_MS = "stagetrace.gil.pressure_ms"
-CPU_PRESSURE_MS = "stagetrace.cpu.pressure_ms"  # mean run-queue wait of the GIL sampler's wake-ups
+CPU_PRESSURE_MS = "stagetrace.cpu.pressure_ms"  # mean run-queue wait of the GIL monitor's wake-ups
 LOOP_LAG_MS = "stagetrace.loop.lag_ms"
 LOOP_HELD_MS = "stagetrace.loop.held_ms"  # the part of the worst stall that work on the loop's thread explains
 
@@ -199,3 +199,250 @@ STAGE_KINDS = ("cpu", "io", "wait", "h2d", "gpu", "d2h")
 GPU_KINDS = frozenset({"h2d", "gpu", "d2h"})
 
 INSTRUMENTATION_NAME = "stagetrace"
+
+# --- the reference: what each name means (docs/reference/, generated from these tables when the site is built;
+# nothing reads them at run time). A name written in the code above and missing here, or a row naming nothing
+# above, fails the docs build. Places: "stage" (stage spans), "batch" (a dynamic batch's own span), "root" (the
+# trace's local root: the verdict), "event" (the stagetrace.diagnosis event on the root).
+_STREAM_ATTRIBUTE = {field: attribute for field, attribute, _, _ in STREAM_FIELDS}
+
+ATTRIBUTE_REFERENCE: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    # (attribute, value type, places, meaning)
+    (STAGE, "string", ("stage",), "the stage's name (the span's name too)"),
+    (STAGE_KIND, "string", ("stage",), "`cpu`, `io`, `wait`, `h2d`, `gpu` or `d2h`"),
+    (CPU_MS, "double", ("stage",), "on-CPU time of the thread during the stage (sync stages of at least 1 ms)"),
+    (BLOCKED_MS, "double", ("stage",), "wall time less on-CPU and run-queue time: waiting for the GIL, a lock, I/O"),
+    (
+        RUNQUEUE_MS,
+        "double",
+        ("stage",),
+        "waiting for a CPU (Linux schedstat; stage names that recently ran for at least 0.5 ms)",
+    ),
+    (
+        OTHERS_RUNQUEUE_MS,
+        "double",
+        ("stage",),
+        "the run-queue wait of the process's other threads from the GIL monitor's wake-up before the stage to its "
+        "first after it, less the stage's own: the most of `blocked_ms` that preempted GIL holders (or the GIL "
+        "handed to a thread still queued for a CPU) can explain; blocked sync stages only",
+    ),
+    (
+        NOT_GIL_MS,
+        "double",
+        ("stage",),
+        "of `blocked_ms`, at least this much was not a wait for the GIL (blocked beyond one switch interval per "
+        "time the thread was scheduled in; CPython on Linux)",
+    ),
+    (ON_EVENT_LOOP, "boolean", ("stage",), "a sync stage that ran on the asyncio event-loop thread"),
+    (
+        DELAYED_REQUESTS,
+        "int",
+        ("stage",),
+        "on the outermost sync stage on an event loop (at least 1 ms): the other requests in flight on that loop, "
+        "each held back while it ran",
+    ),
+    (
+        BLOCKED_BY,
+        "string[]",
+        ("stage",),
+        "on an `event_loop.wait` stage: `<stage>@<trace id>` of the stages that held the loop meanwhile, longest "
+        "first (at most 8)",
+    ),
+    (GPU_DURATION_MS, "double", ("stage",), "GPU time from CUDA events"),
+    (GPU_UTILIZATION, "double", ("stage",), "NVML utilisation over the stage's window, mean (0..1)"),
+    (GPU_UTILIZATION_MIN, "double", ("stage",), "NVML utilisation over the stage's window, least sample (0..1)"),
+    (GPU_UTILIZATION_MAX, "double", ("stage",), "NVML utilisation over the stage's window, greatest sample (0..1)"),
+    (GPU_MEMORY_USED, "int", ("stage",), "device memory in use, bytes"),
+    (H2D_BYTES, "int", ("stage",), "size of a host-to-device copy, bytes"),
+    (H2D_PINNED, "boolean", ("stage",), "whether a host-to-device copy's source was pinned memory"),
+    (D2H_BYTES, "int", ("stage",), "size of a device-to-host copy, bytes"),
+    (HOST_DURATION_MS, "double", ("stage",), "host-side duration of a GPU stage placed on the GPU timeline"),
+    (GPU_PLACEMENT_ERROR_US, "double", ("stage",), "the clock anchor's error bar for a GPU stage's placement, µs"),
+    (GPU_PLACEMENT_CLAMPED, "boolean", ("stage",), "the GPU stage's placement was moved back inside the trace"),
+    (QUEUE_SATURATED, "boolean", ("stage",), "on a wait stage: every worker was busy when the request queued"),
+    (LATE, "boolean", ("stage",), "the stage ended after the trace's root (left out of the verdict)"),
+    (BATCH_ID, "string", ("stage", "batch"), "on stages run by a dynamic batch, and on its span: which batch"),
+    (BATCH_SIZE, "int", ("stage", "batch"), "the batch's member requests"),
+    (BATCH_ITEMS, "int", ("stage", "batch"), "the batch's items (a request may bring several)"),
+    (BATCH_INDEX, "int", ("stage",), "this member's place in the batch"),
+    (
+        BATCH_SHARE_MS,
+        "double",
+        ("stage",),
+        "this member's amortised share of the batch stage's time: that time by its items over the batch's",
+    ),
+    (BATCH_MAX_SIZE, "int", ("stage", "batch"), "the batcher's max size (on each member's batch stage too)"),
+    (BATCH_FILL, "double", ("stage", "batch"), "items / max size (on each member's batch stage too)"),
+    (BATCH_FORMATION_MS, "double", ("stage",), "on a batch wait: the time spent waiting for the batch to form"),
+    (
+        BATCH_BUSY_MS,
+        "double",
+        ("stage",),
+        "on a batch wait: the time spent waiting for the batcher's previous batch to finish",
+    ),
+    (BATCH_ABANDONED, "boolean", ("stage",), "on a batch wait: no batch took the ticket before the request ended"),
+    (COMPRESSED_COUNT, "int", ("stage",), "on a composite stage: the occurrences folded into it"),
+    (COMPRESSED_SUM_MS, "double", ("stage",), "on a composite stage: the folded occurrences' summed time"),
+    (COMPRESSED_MIN_MS, "double", ("stage",), "on a composite stage: the shortest folded occurrence"),
+    (COMPRESSED_MAX_MS, "double", ("stage",), "on a composite stage: the longest folded occurrence"),
+    (
+        COMPRESSED_SLOWEST,
+        "boolean",
+        ("stage",),
+        "the slowest folded occurrence, exported beside its composite (counted in it, not again)",
+    ),
+    (TOTAL_MS, "double", ("root",), "the local root's duration"),
+    (
+        BOTTLENECK_STAGE,
+        "string",
+        ("root",),
+        "the stage with the largest share, or `untracked` when the time in no stage is larger",
+    ),
+    (BOTTLENECK_RATIO, "double", ("root",), "the bottleneck's share of `stagetrace.total_ms` (0..1)"),
+    (SLOW, "boolean", ("root",), "`stagetrace.total_ms` over the slow threshold"),
+    (SLOW_THRESHOLD_MS, "double", ("root",), "the slow threshold that applied (global or the route's)"),
+    (UNTRACKED_MS, "double", ("root",), "root time covered by no stage"),
+    (STAGES, "string[]", ("root",), "the breakdown's stage names, in pipeline order"),
+    (STAGES_MS, "double[]", ("root",), "the breakdown's milliseconds, in the order of `stagetrace.stages`"),
+    (
+        DIAGNOSIS,
+        "string[]",
+        ("root",),
+        "the codes of the rules that fired; each also an event `stagetrace.diagnosis` on the root",
+    ),
+    (GPU_UTILIZATION, "double", ("root",), "NVML utilisation, mean over the trace (0..1)"),
+    (GIL_PRESSURE_MS, "double", ("root",), "the GIL monitor's mean wake-up lag within the trace's window"),
+    (
+        CPU_PRESSURE_MS,
+        "double",
+        ("root",),
+        "the mean run-queue wait of the GIL monitor's wake-ups within the trace's window",
+    ),
+    (LOOP_LAG_MS, "double", ("root",), "the worst event-loop stall the request lived through"),
+    (
+        LOOP_HELD_MS,
+        "double",
+        ("root",),
+        "the part of that stall that work on the loop's own thread explains (running or in a blocking call)",
+    ),
+    (
+        BLOCKED_BY,
+        "string[]",
+        ("root",),
+        "what held the event loop while this request waited for it, longest first (at most 8)",
+    ),
+    (
+        DELAYED_REQUESTS,
+        "int",
+        ("root",),
+        "the most other requests any of this request's sync stages held back on its loop",
+    ),
+    (
+        ROOT_SHIFTED_MS,
+        "double",
+        ("root",),
+        "how far the root's start moved back, from the framework's start to the request's arrival",
+    ),
+    (
+        ROOT_FRAMEWORK_START_NS,
+        "int",
+        ("root",),
+        "the framework's own start of the server span (epoch ns), kept when the start moved",
+    ),
+    (
+        LOOP_ARRIVAL_BOUND_MS,
+        "double",
+        ("root",),
+        "where the bytes' arrival cannot be read: at most this much before its task was created they may have "
+        "come (the loop was held up to then)",
+    ),
+    (STREAM_CHUNKS, "int", ("root",), "a streamed response's body chunks"),
+    (STREAM_FIRST_CHUNK_MS, "double", ("root",), "the root's start to the first body chunk handed to the server"),
+    (_STREAM_ATTRIBUTE["streaming_ms"], "double", ("root",), "the first body chunk to the last"),
+    (_STREAM_ATTRIBUTE["gap_p50_ms"], "double", ("root",), "median gap between consecutive chunks"),
+    (_STREAM_ATTRIBUTE["gap_p99_ms"], "double", ("root",), "99th percentile gap between consecutive chunks"),
+    (_STREAM_ATTRIBUTE["gap_max_ms"], "double", ("root",), "longest gap between consecutive chunks (exact)"),
+    (
+        _STREAM_ATTRIBUTE["send_wait_ms"],
+        "double",
+        ("root",),
+        "time spent awaiting the server's `send`: a client that does not read fast enough",
+    ),
+    (STREAM_FIRST_CHUNK_BOTTLENECK, "string", ("root",), "the stage with the most time before the first chunk"),
+    (
+        STREAM_GAP_BOTTLENECK,
+        "string",
+        ("root",),
+        "the stage with the most time between the first chunk and the last",
+    ),
+    (
+        ERROR_TYPE,
+        "string",
+        ("root",),
+        "`ConnectionError`: the client went away mid-stream (the root's status is then an error)",
+    ),
+    (GEN_AI_REQUEST_MODEL, "string", ("root",), "the model `stagetrace.generation(model)` named"),
+    (GEN_AI_OPERATION, "string", ("root",), "its `operation` (default `text_completion`)"),
+    (GEN_AI_PROVIDER, "string", ("root",), "its `provider`, when given"),
+    (GEN_AI_RESPONSE_MODEL, "string", ("root",), "its `response_model`, when given"),
+    (GEN_AI_OUTPUT_TOKENS, "int", ("root",), "its `output_tokens`, when given"),
+    (GEN_AI_LATENCY_TTFT, "double", ("root",), "a generative stream's time to its first chunk, seconds"),
+    (GEN_AI_LATENCY_E2E, "double", ("root",), "the generative request's whole duration, seconds"),
+    (GEN_AI_LATENCY_QUEUE, "double", ("root",), "wait stages before the first chunk, seconds"),
+    (GEN_AI_LATENCY_PREFILL, "double", ("root",), "GPU stages before the first chunk, seconds"),
+    (GEN_AI_LATENCY_DECODE, "double", ("root",), "GPU stages after the first chunk, seconds"),
+    (DIAGNOSIS_EVENT_CODE, "string", ("event",), "the rule's code"),
+    (DIAGNOSIS_EVENT_MESSAGE, "string", ("event",), "what was measured, in words"),
+    (DIAGNOSIS_EVENT_ADVICE, "string", ("event",), "what to do about it"),
+    (DIAGNOSIS_EVENT_STAGE, "string", ("event",), "the stage the rule names, when it names one"),
+)
+
+# Each metric's attributes (the metrics' names, kinds, units and descriptions are exporter/metrics.py's
+# INSTRUMENTS), and the attribute keys only metrics carry.
+METRIC_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    METRIC_STAGE_DURATION: (STAGE, STAGE_KIND, HTTP_ROUTE),
+    METRIC_TRACE_DURATION: (HTTP_ROUTE, SLOW),
+    METRIC_BOTTLENECK: (STAGE,),
+    METRIC_DIAGNOSIS: (DIAGNOSIS_CODE,),
+    METRIC_GPU_UTILIZATION: (HW_ID,),
+    METRIC_DROPPED: (DROP_REASON,),
+    METRIC_BATCH_SIZE: (STAGE,),
+    METRIC_BATCH_FILL: (STAGE,),
+    METRIC_STREAM_FIRST_CHUNK: (HTTP_ROUTE, STREAM_FIRST_CHUNK_BOTTLENECK),
+    METRIC_STREAM_CHUNK_GAP: (HTTP_ROUTE, STREAM_GAP_BOTTLENECK),
+    METRIC_GEN_AI_TTFT: GEN_AI_METRIC_ATTRIBUTES,
+    METRIC_GEN_AI_TPOT: GEN_AI_METRIC_ATTRIBUTES,
+    METRIC_GEN_AI_REQUEST_DURATION: (*GEN_AI_METRIC_ATTRIBUTES, ERROR_TYPE),
+}
+METRIC_ATTRIBUTE_REFERENCE: tuple[tuple[str, str], ...] = (
+    (HTTP_ROUTE, "the request's route, where the framework names one"),
+    (DIAGNOSIS_CODE, "a rule's code"),
+    (DROP_REASON, "why stagetrace dropped something (the reasons below)"),
+    (HW_ID, "the GPU's UUID, as NVML knows it"),
+)
+
+# The reasons `stagetrace.dropped` counts under (its `reason` attribute). The docs build finds every reason the
+# code counts (the first argument of each dropped / on_drop call) and fails on one missing here.
+DROP_REASONS: dict[str, str] = {
+    "traces_in_flight": "a trace started while `Settings.max_traces_in_flight` traces were held (not tracked)",
+    "trace_timeout": "a root that never ended, evicted after `Settings.trace_ttl_s`",
+    "stages_per_trace": "stages past `Settings.max_stages_per_trace` in one trace",
+    "handoff_queue_full": "a finished trace with the hand-off queue full (`Settings.queue_size`)",
+    "channel_full": "traces the pipe to the exporter could not take, past `Settings.channel_buffer_bytes`",
+    "exporter_restart": "traces the exporter process had not acknowledged when it died",
+    "exporter_unavailable": "traces sent after the exporter process was given up (restarted too often)",
+    "malformed_record": "a record the exporter could not read (bad checksum, truncated), skipped",
+    "unencodable": "a trace or span that could not be encoded for the channel or for OTLP",
+    "unpackable": "a finished trace the helper thread could not pack (its root goes alone where it can)",
+    "export_queue_full": "spans the export queue could not take (`OTEL_BSP_MAX_QUEUE_SIZE`)",
+    "stage_name_cardinality": "stage names past `Settings.max_stage_names` in metric attributes (become `_other`)",
+    "gpu_events": "a GPU stage that found the CUDA event pool empty (it keeps its host time)",
+    "gpu_event_timeout": "a trace whose CUDA events did not complete within `Settings.gpu_wait_timeout_s`",
+    "gpu_parked_full": "a trace past `Settings.max_parked` waiting for its CUDA events, shipped without them",
+    "nvml_samples": "NVML samples past the sampler's buffer (the oldest give way)",
+    "budget": "a trace over the export budget (`STAGETRACE_EXPORT_BUDGET`): its metrics are kept, not its spans",
+    "batch_ticket_unused": "a batch ticket never taken by a batch (the request ended while queued)",
+    "batch_ticket_reused": "a batch ticket used a second time, left out of the batch",
+    "batch_ticket_late": "a batch reaching a request that had already ended",
+    "batch_not_a_ticket": "something passed to `batch()` that is not a ticket from `enqueue()`",
+}

@@ -34,7 +34,7 @@ ARRIVAL_UNEXPLAINED_MIN_NS = 5_000_000
 ARRIVAL_ADJACENT_NS = 2_000_000  # blocks this close to each other (or to the task's creation) bound an arrival
 ARRIVAL_LOOKBACK_NS = 1_000_000_000  # how far before an arrival the exporter looks for such blocks
 GIL_MIN_SAMPLES = 3  # GIL-pressure wake-ups a trace's window needs before the pressure counts as measured
-SIGNALS_WAIT_S = 0.3  # how long the helper thread holds a trace for the GIL sampler's first wake-up after its end
+SIGNALS_WAIT_S = 0.3  # how long the helper thread holds a trace for the GIL monitor's first wake-up after its end
 MAX_WORKER_RUNS = 256  # runs of a request's code on worker threads kept per trace (own time, not loop wait)
 MAX_BLOCKED_BY = 8  # blocking stages named in stagetrace.blocked_by
 # Occurrences of one stage name under one parent kept as stages of their own; the rest fold into a composite.
@@ -130,9 +130,9 @@ class Settings:
     shutdown_timeout_s: float = 5.0
     record_query_strings: bool = field(default_factory=lambda: env_flag("STAGETRACE_RECORD_QUERY_STRINGS"))
     cpu_signals: bool = True  # per-stage on-CPU / run-queue / blocked time (two schedstat reads per stage)
-    gil_sampler_period_s: float = 0.010  # 0 turns the GIL-pressure sampler off
+    gil_sampler_period_s: float = 0.010  # 0 turns the GIL-pressure monitor off
     # The longest a thread waiting for the GIL sleeps at a stretch (the application's switch interval; 0 without
-    # a GIL, None where unknown), for ``exporter.signals.not_gil_ms``; read when stagetrace is configured.
+    # a GIL, None where unknown), for ``common.schedstat.not_gil_ms``; read when stagetrace is configured.
     gil_wait_bound_s: float | None = field(default_factory=gil_wait_stretch_bound_s)
     loop_lag_interval_s: float = 0.050
     # Where the work after capture runs: an exporter process (True) or a thread of the application.
@@ -215,3 +215,95 @@ def output_dir_from_env() -> str:
 
 def slow_threshold_from_env(default: float = DEFAULT_SLOW_THRESHOLD_MS) -> float:
     return _number_from_env("STAGETRACE_SLOW_THRESHOLD_MS", default, "a number of milliseconds > 0", lambda v: v > 0)
+
+
+# --- the configuration reference (docs/reference/configuration.md is generated from these two tables and from
+# Settings itself; nothing reads them at run time). A STAGETRACE_* variable the package reads and missing here,
+# or a Settings field without a line below, fails the docs build.
+ENVIRONMENT_REFERENCE: tuple[tuple[str, str, str], ...] = (
+    # (variable, values and default, effect)
+    (
+        "STAGETRACE_SLOW_THRESHOLD_MS",
+        "milliseconds > 0; default 200",
+        "the slow threshold; `configure(slow_threshold_ms=...)` wins over it, it wins over `Settings`",
+    ),
+    (
+        "STAGETRACE_DISABLED",
+        "`true` (also `1`, `yes`, `on`); default off",
+        "every stagetrace call becomes a no-op; OpenTelemetry's `OTEL_SDK_DISABLED=true` does the same",
+    ),
+    (
+        "STAGETRACE_OUTPUT_DIR",
+        "a directory; default `./stagetrace-out`",
+        "where the embedded default (nothing configured) writes its OTLP JSON lines",
+    ),
+    (
+        "STAGETRACE_AUTO_STAGES",
+        "`true` (also `1`, `yes`, `on`); default off",
+        "automatic stages in zero-code runs: PIL, torchvision, tokenizers, torch copies and forward, serialisation",
+    ),
+    (
+        "STAGETRACE_EXPORT_PROCESS",
+        "`on` (default) or `off`",
+        "where the work after capture runs: an exporter process, or a thread of the application "
+        "(`Settings.export_process`)",
+    ),
+    (
+        "STAGETRACE_LIGHT_SPANS",
+        "`on` (default) or `off`",
+        "other instrumentations' spans inside a held trace recorded as light spans and built in the exporter, or "
+        "SDK spans in the application (`Settings.light_spans`)",
+    ),
+    (
+        "STAGETRACE_HEALTHY_SAMPLE",
+        "0..1; default 0.1",
+        "the share of healthy traces exported in full; slow, diagnosed and errored ones are, within the export "
+        "budget (`Settings.healthy_sample`)",
+    ),
+    (
+        "STAGETRACE_EXPORT_BUDGET",
+        "traces a second > 0, default 20; or `off`",
+        "at most this many full traces exported a second; `off`: every trace worth keeping is exported "
+        "(`Settings.export_budget_per_s`)",
+    ),
+    (
+        "STAGETRACE_RECORD_QUERY_STRINGS",
+        "`true` (also `1`, `yes`, `on`); default off",
+        "keep query strings in the local root's `http.target`, `http.url`, `url.full` and `url.query`, which are "
+        "otherwise cut off before export (`Settings.record_query_strings`)",
+    ),
+)
+
+SETTINGS_REFERENCE: dict[str, str] = {
+    "slow_threshold_ms": "a trace is slow when its local root lasts longer than this",
+    "route_slow_thresholds_ms": "slow thresholds per route (`http.route`), over the global one",
+    "thresholds": "every number the diagnosis rules compare against (`DiagnosisThresholds`)",
+    "max_traces_in_flight": "traces held at once; a trace started past it is not tracked (`traces_in_flight`)",
+    "trace_ttl_s": "a root that has not ended after this long is evicted (`trace_timeout`)",
+    "max_stages_per_trace": "stages kept per trace; the rest are counted (`stages_per_trace`)",
+    "max_stage_names": "distinct stage names in metric attributes; the rest become `_other`",
+    "queue_size": "finished traces waiting for the helper thread (`handoff_queue_full` past it)",
+    "sweep_interval_s": "how often traces in flight are checked against `trace_ttl_s`",
+    "poll_interval_s": "how often the helper thread ships finished traces while busy (verdicts arrive this late)",
+    "gpu_wait_timeout_s": "how long a trace waits for its CUDA events to complete (`gpu_event_timeout`)",
+    "max_parked": "finished traces waiting for their CUDA events; past it the oldest go as they are",
+    "slow_log_per_minute": "slow-trace log lines a minute, at most",
+    "shutdown_timeout_s": "the deadline for flushing at shutdown",
+    "record_query_strings": "keep query strings on the local root (`STAGETRACE_RECORD_QUERY_STRINGS`)",
+    "cpu_signals": "per-stage on-CPU, run-queue and blocked time (two schedstat reads a stage)",
+    "gil_sampler_period_s": "the GIL monitor's period while a trace is in flight; 0 turns it off",
+    "gil_wait_bound_s": "the longest a thread waiting for the GIL sleeps at a stretch (the switch interval)",
+    "loop_lag_interval_s": "the event-loop lag monitor's period",
+    "export_process": "run the exporter in its own process (`STAGETRACE_EXPORT_PROCESS`)",
+    "light_spans": "record other instrumentations' spans as light spans (`STAGETRACE_LIGHT_SPANS`)",
+    "healthy_sample": "share of healthy traces exported in full (`STAGETRACE_HEALTHY_SAMPLE`)",
+    "channel_buffer_bytes": "bytes waiting for the pipe to the exporter, at most (`channel_full` past it)",
+    "exporter_restarts_per_minute": "exporter process restarts a minute before it is given up",
+    "export_budget_per_s": "full traces exported a second at most; None: no budget (`STAGETRACE_EXPORT_BUDGET`)",
+    "export_budget_burst": "the export budget's burst",
+    "signature_budget_per_s": "full traces a second per signature (route or root name, bottleneck, codes)",
+    "signature_budget_burst": "the per-signature burst",
+    "max_budget_signatures": "signatures the budget remembers at most",
+    "batch_keep_wait_s": "how long a batch span waits for its members' keep decisions",
+    "max_pending_batches": "batch spans waiting for those decisions at most",
+}
