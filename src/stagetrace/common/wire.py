@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
@@ -193,34 +193,30 @@ class ShippedTrace(NamedTuple):
     gen_ai: dict[str, Any] | None  # the generative model it served, as stagetrace.generation() said
 
 
+def trace_message(**fields: Any) -> tuple[Any, ...]:
+    """A TRACE message from its fields by name (``ShippedTrace``'s, as the sender has them: spans and
+    stages still plain tuples), in the order ``ShippedTrace`` gives them."""
+    return (TRACE, *(fields[name] for name in ShippedTrace._fields))
+
+
 def unpack_trace(msg: Sequence[Any]) -> ShippedTrace:
     """A TRACE message's fields (without the kind), checked: ValueError for one of the wrong shape."""
     if len(msg) != len(ShippedTrace._fields) + 1:
         raise ValueError(f"a trace message has {len(ShippedTrace._fields) + 1} fields, got {len(msg)}")
-    _, trace_id, flags, state, offset, dropped, gpu_utilization, root, stages, others, loop_thread, runs, *rest = msg
-    task_created, received_ago, stream, gen_ai = rest
-    if not all(type(v) is int for v in (trace_id, offset, flags, loop_thread, task_created, received_ago)):
+    t = ShippedTrace._make(msg[1:])
+    ints = (t.trace_id, t.offset, t.flags, t.loop_thread, t.task_created_ns, t.received_ms_ago)
+    if not all(type(v) is int for v in ints):
         raise ValueError("malformed trace header")
-    if not isinstance(runs, tuple) or not all(isinstance(v, int) for v in runs):
+    if not isinstance(t.worker_runs, tuple) or not all(isinstance(v, int) for v in t.worker_runs):
         raise ValueError("malformed worker runs")
-    if gen_ai is not None and not isinstance(gen_ai, dict):
+    if t.gen_ai is not None and not isinstance(t.gen_ai, dict):
         raise ValueError("malformed gen_ai record")
-    return ShippedTrace(
-        trace_id,
-        flags,
-        state,
-        offset,
-        dropped,
-        gpu_utilization,
-        check_span(root),
-        [ShippedStage(st) for st in stages],
-        [check_span(span) for span in others],
-        loop_thread,
-        runs,
-        task_created,
-        received_ago,
-        stream_fields(stream),
-        gen_ai,
+    as_sent: Sequence[Any] = cast(Sequence[Any], t.stages)  # still the sender's tuples until built here
+    return t._replace(
+        root=check_span(t.root),
+        stages=[ShippedStage(st) for st in as_sent],
+        others=[check_span(span) for span in t.others],
+        stream=stream_fields(t.stream),
     )
 
 

@@ -416,22 +416,23 @@ class Shipper:
         packed_root = pack_any_span(root)
         if trace.batch is not None:
             packed_root = wire.with_links(packed_root, tuple(wire.member_link(*m) for m in trace.batch.members))
-        return (
-            wire.TRACE,
-            trace.trace_id,
-            int(ctx.trace_flags),
-            wire.trace_state_header(ctx.trace_state),
-            offset,
-            trace.dropped_stages,
-            gpu_utilization,
-            packed_root,
-            self._pack_stages(stages, fanout.pack_member_stage if tickets else wire.pack_stage),
-            tuple(map(pack_any_span, others)),
-            trace.loop_thread,
-            tuple(worker_runs),
-            *(trace.arrival or (0, -1)),
-            trace.stream.packed() if trace.stream is not None else None,
-            trace.gen_ai,
+        task_created_ns, received_ms_ago = trace.arrival or (0, -1)
+        return wire.trace_message(
+            trace_id=trace.trace_id,
+            flags=int(ctx.trace_flags),
+            state=wire.trace_state_header(ctx.trace_state),
+            offset=offset,
+            dropped_stages=trace.dropped_stages,
+            gpu_utilization=gpu_utilization,
+            root=packed_root,
+            stages=self._pack_stages(stages, fanout.pack_member_stage if tickets else wire.pack_stage),
+            others=tuple(map(pack_any_span, others)),
+            loop_thread=trace.loop_thread,
+            worker_runs=tuple(worker_runs),
+            task_created_ns=task_created_ns,
+            received_ms_ago=received_ms_ago,
+            stream=trace.stream.packed() if trace.stream is not None else None,
+            gen_ai=trace.gen_ai,
         )
 
     def _pack_stages(self, stages: list[Any], pack: Callable[[Any], tuple[Any, ...]]) -> tuple[tuple[Any, ...], ...]:
