@@ -233,17 +233,23 @@ def test_frame_reader_resynchronises_after_garbage_and_reports_truncation():
 # --- local tail sampling -------------------------------------------------------------------------------
 
 
+SLOW_MS = 200  # far beyond what a loaded host adds to an empty pipeline (a 20 ms threshold once caught one)
+UNTRACKED_MS = 100  # the least untracked time UNTRACKED_TIME reads: the same margin
+
+
 @pytest.fixture
 def no_healthy_traces(make_harness, monkeypatch):
-    """Healthy traces are not exported (share 0); traces over 20 ms are slow."""
+    """Healthy traces are not exported (share 0); traces over SLOW_MS are slow, and UNTRACKED_TIME needs
+    UNTRACKED_MS, so that no healthy trace is kept because the host was slow to run it."""
     monkeypatch.setenv("STAGETRACE_HEALTHY_SAMPLE", "0")
-    return make_harness(slow_threshold_ms=20)
+    thresholds = stagetrace.DiagnosisThresholds(untracked_min_ms=UNTRACKED_MS)
+    return make_harness(slow_threshold_ms=SLOW_MS, settings=stagetrace.Settings(thresholds=thresholds))
 
 
 def run_healthy_then_slow(healthy: int) -> None:
     run_pipelines(healthy, "healthy")
     with stagetrace.pipeline("slow"), stagetrace.stage("work"):
-        time.sleep(0.03)
+        time.sleep(SLOW_MS * 1.25 / 1e3)
 
 
 def test_healthy_traces_are_sampled_but_metrics_see_every_request(no_healthy_traces):
@@ -254,7 +260,7 @@ def test_healthy_traces_are_sampled_but_metrics_see_every_request(no_healthy_tra
     with stagetrace.pipeline("diagnosed"):
         with stagetrace.stage("work"):
             time.sleep(0.001)
-        time.sleep(0.015)  # untracked time: UNTRACKED_TIME fires
+        time.sleep(UNTRACKED_MS * 1.5 / 1e3)  # untracked time: UNTRACKED_TIME fires (not slow: under SLOW_MS)
     h.flush()
     exported = {s.name for s in h.roots()}
     assert exported == {"slow", "errored", "diagnosed"}
@@ -278,7 +284,7 @@ def test_spans_after_the_root_follow_their_traces_decision(no_healthy_traces):
     h = no_healthy_traces
     from opentelemetry import context
 
-    for name, pause in (("healthy", 0), ("slow", 0.03)):
+    for name, pause in (("healthy", 0), ("slow", SLOW_MS * 1.25 / 1e3)):
         with stagetrace.pipeline(name):
             with stagetrace.stage("work"):
                 time.sleep(pause)
