@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
+
+import stagetrace
 
 
 @contextlib.contextmanager
@@ -63,3 +66,23 @@ def hit(base: str, path: str, n: int, concurrency: int, keepalive: bool = True) 
         check=True,
     )
     return json.loads(out.stdout)
+
+
+def settle_heap() -> None:
+    """Earlier tests leave a big heap; a full collection during a scenario is a real event-loop stall
+    (and stagetrace rightly reports it), so start each scenario from a collected heap."""
+    gc.collect()
+
+
+def run_scenario(harness: Any, app: Any, path: str, n: int, concurrency: int) -> list:
+    """``app`` instrumented and served, ``n`` requests to ``path`` from ``concurrency`` clients at a time; the
+    verdicts of those requests."""
+    settle_heap()
+    stagetrace.instrument_fastapi(app)
+    with serve(app) as base:
+        statuses = hit(base, path, n, concurrency)
+    assert statuses == [200] * n
+    harness.wait_verdicts(n)
+    verdicts = [v for v in harness.verdicts if v.route == path]
+    assert len(verdicts) == n, f"{len(verdicts)} verdicts for {n} requests"
+    return verdicts

@@ -17,11 +17,11 @@ from opentelemetry.trace import format_trace_id
 
 import stagetrace
 from scenarios.corpus import busy
+from servers import run_scenario
 from stagetrace import conventions as c
 from stagetrace.analysis.loopwait import LoopBlock, loop_waits
 from stagetrace.capture.loopblocks import LoopBlockBuffer
 from stagetrace.exporter.signals import LoopBlockSeries
-from test_scenarios import run_scenario
 
 MS = 1_000_000
 T = 7  # the loop's thread

@@ -15,9 +15,9 @@ from fastapi import FastAPI
 from opentelemetry.trace import format_trace_id
 
 import stagetrace
+from servers import run_scenario
 from stagetrace import conventions as c
 from stagetrace.integrations._common import Occupancy
-from test_scenarios import run_scenario
 
 TOKENS = 4
 STAGE_MS = 100

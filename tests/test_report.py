@@ -13,60 +13,15 @@ from pathlib import Path
 import pytest
 
 import stagetrace
+from otlp_lines import T1, line, span, stage
 from stagetrace import conventions as c
 from stagetrace.cli.report import run_report
 from stagetrace.report.loader import spans_from_line
 from stagetrace.report.sketch import QuantileSketch
 
-MS = 1_000_000
 # Where the headless browser's screenshot of the report goes, for a person to look at (a temporary
 # directory unless STAGETRACE_TEST_ARTIFACTS names one: the suite writes nothing into the working tree).
 ARTIFACTS_ENV = "STAGETRACE_TEST_ARTIFACTS"
-
-
-def kv(key, value):
-    if isinstance(value, bool):
-        v = {"boolValue": value}
-    elif isinstance(value, int):
-        v = {"intValue": str(value)}
-    elif isinstance(value, float):
-        v = {"doubleValue": value}
-    else:
-        v = {"stringValue": value}
-    return {"key": key, "value": v}
-
-
-def span(trace, sid, parent, name, start_ms, end_ms, attrs=None, kind=1):
-    return {
-        "traceId": trace,
-        "spanId": sid,
-        "parentSpanId": parent,
-        "name": name,
-        "kind": kind,
-        "startTimeUnixNano": str(1_700_000_000_000 * MS + int(start_ms * MS)),
-        "endTimeUnixNano": str(1_700_000_000_000 * MS + int(end_ms * MS)),
-        "attributes": [kv(k, v) for k, v in (attrs or {}).items()],
-    }
-
-
-def line(service, spans):
-    return json.dumps(
-        {
-            "resourceSpans": [
-                {
-                    "resource": {"attributes": [kv("service.name", service)]},
-                    "scopeSpans": [{"scope": {"name": "x"}, "spans": spans}],
-                }
-            ]
-        }
-    )
-
-
-def stage(trace, sid, parent, name, start, end, kind="cpu"):
-    return span(trace, sid, parent, name, start, end, {c.STAGE: name, c.STAGE_KIND: kind})
-
-
-T1 = "0af7651916cd43dd8448eb211c80319c"
 
 
 def test_quantile_sketch_is_accurate_within_its_bound():

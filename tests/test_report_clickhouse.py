@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from otlp_lines import T1, line, span, stage
 from stagetrace import conventions as c
 from stagetrace.cli.main import main
 from stagetrace.cli.report import run_clickhouse_report, run_report
@@ -28,7 +29,6 @@ from stagetrace.report.fleet import Source, bucket_expression, parse_time, quote
 from stagetrace.report.loader import read_traces
 from stagetrace.report.otel_schema import TRACES_TABLE_DDL, attribute_value, exporter_string
 from stagetrace.report.sketch import QuantileSketch
-from test_report import T1, line, span, stage
 
 chdb_session = pytest.importorskip(
     "chdb.session", reason="chDB is not installed (pip install 'stagetrace[clickhouse]', part of the dev extra)"

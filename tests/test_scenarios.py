@@ -14,14 +14,8 @@ from fastapi import FastAPI
 
 import stagetrace
 from scenarios.corpus import busy
-from servers import hit, serve
+from servers import hit, run_scenario, serve, settle_heap
 from stagetrace import conventions as c
-
-
-def settle_heap() -> None:
-    """Earlier tests leave a big heap; a full collection during a scenario is a real event-loop stall
-    (and stagetrace rightly reports it), so start each scenario from a collected heap."""
-    gc.collect()
 
 
 @pytest.fixture(autouse=True)
@@ -33,18 +27,6 @@ def frozen_heap(spare_cpus):
     gc.freeze()
     yield
     gc.unfreeze()
-
-
-def run_scenario(harness, app: FastAPI, path: str, n: int, concurrency: int) -> list:
-    settle_heap()
-    stagetrace.instrument_fastapi(app)
-    with serve(app) as base:
-        statuses = hit(base, path, n, concurrency)
-    assert statuses == [200] * n
-    harness.wait_verdicts(n)
-    verdicts = [v for v in harness.verdicts if v.route == path]
-    assert len(verdicts) == n, f"{len(verdicts)} verdicts for {n} requests"
-    return verdicts
 
 
 def codes(verdicts) -> Counter:
