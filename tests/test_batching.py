@@ -528,3 +528,56 @@ def test_continuous_batching_folds_each_members_steps_with_exact_totals(make_har
         assert wait.attributes[c.COMPRESSED_COUNT] == steps - KEEP_REPEATS
         whole = [s for s in own if s.name == "decode" and c.COMPRESSED_COUNT not in s.attributes]
         assert len(whole) == KEEP_REPEATS and all(s.attributes.get(c.BATCH_ID) for s in whole)
+
+
+def test_a_running_request_does_not_keep_finished_members_of_its_batches_alive(make_harness):
+    """A batch a live request's tickets still reach (its first memberships) must not hold the records of the
+    other, finished requests it served: continuous batching would chain every request of a day that way."""
+    import gc
+
+    from stagetrace.capture.records import TraceRecord
+
+    h = make_harness()
+    tracer = h.tracer
+    finished: list[int] = []
+
+    async def main() -> None:
+        q: asyncio.Queue = asyncio.Queue()
+        release = asyncio.Event()
+
+        async def worker() -> None:
+            while True:
+                items = [await q.get()]
+                while not q.empty():
+                    items.append(q.get_nowait())
+                with stagetrace.batch("decode", [t for t, _ in items]):
+                    pass
+                futures = [fut for _, fut in items]
+                del items  # the worker itself holds no request past its batch
+                for fut in futures:
+                    fut.set_result(None)
+
+        async def generation(steps: int, wait_at_end: bool) -> None:
+            with tracer.start_as_current_span("generate") as span:
+                for _ in range(steps):
+                    fut = asyncio.get_running_loop().create_future()
+                    await q.put((stagetrace.enqueue("decode.queue"), fut))
+                    await fut
+                if wait_at_end:
+                    await release.wait()
+                else:
+                    finished.append(span.get_span_context().trace_id)
+
+        task = asyncio.create_task(worker())
+        alive = asyncio.create_task(generation(2, wait_at_end=True))  # in the first batches, then stays
+        await asyncio.gather(*(generation(6, wait_at_end=False) for _ in range(20)))
+        h.wait_verdicts(20)
+        h.flush()  # the helper thread's last batch released
+        gc.collect()
+        held = [o for o in gc.get_objects() if type(o) is TraceRecord and o.trace_id in finished]
+        release.set()
+        await alive
+        task.cancel()
+        assert held == [], f"{len(held)} finished requests' records still reachable"
+
+    asyncio.run(main())

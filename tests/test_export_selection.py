@@ -1,4 +1,4 @@
-"""Which exporters the ``OTEL_*`` variables select (export/env.py), as the OpenTelemetry specification
+"""Which exporters the ``OTEL_*`` variables select (destinations/env.py), as the OpenTelemetry specification
 defines them: names, separators and case, the default protocol and the per-signal overrides, and the
 errors that name what is wrong."""
 

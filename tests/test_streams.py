@@ -493,3 +493,33 @@ def test_a_generator_that_raises_mid_stream_ends_the_root_with_the_error_and_kee
     assert any(s.status.status_code.name == "ERROR" for s in steps)
     assert v.breakdown["decode_step"] >= 21 * 0.5
     assert len(_state.runtime.registry) == 0  # no trace left in flight
+
+
+def test_a_name_repeated_under_a_second_parent_folds_there_too(harness):
+    with stagetrace.pipeline("generate"):
+        for _ in range(2):
+            with stagetrace.stage("fetch"):  # twice under the root ...
+                pass
+        with stagetrace.stage("stream"):
+            for _ in range(50):
+                with stagetrace.stage("fetch"):  # ... then fifty times under another parent
+                    pass
+    harness.wait_verdicts(1)
+    fetches = harness.by_name("fetch")
+    composites = [s for s in fetches if c.COMPRESSED_COUNT in s.attributes]
+    assert [s.attributes[c.COMPRESSED_COUNT] for s in composites] == [50 - KEEP_REPEATS]
+    assert len(fetches) == 2 + KEEP_REPEATS + 2  # the root's two, the stream's first three, composite, slowest
+
+
+def test_a_folded_occurrence_that_held_the_event_loop_is_still_blamed(harness):
+    async def main():
+        with stagetrace.pipeline("render-all"):
+            for i in range(8):
+                with stagetrace.stage("render"):  # sync work on the loop's thread
+                    time.sleep(0.06 if i == 6 else 0.001)  # the long one folds (past the first three)
+                await asyncio.sleep(0)
+
+    asyncio.run(main())
+    (v,) = harness.wait_verdicts(1)
+    d = next((d for d in v.diagnoses if d.code == "EVENT_LOOP_BLOCKED"), None)
+    assert d is not None and d.stage == "render", v.diagnoses

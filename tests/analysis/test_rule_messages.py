@@ -81,7 +81,7 @@ def test_cpu_side_rules_name_the_worst_stage():
     ]
     gil = run(two, signals=TraceSignals(gil_pressure_ms=6.25))
     assert only(gil, "GIL_CONTENTION") == (
-        "'big' was blocked 50.0 ms of its 60.0 ms while the GIL was contended (sampler wake-up lag 6.2 ms)",
+        "'big' was blocked 50.0 ms of its 60.0 ms while the GIL was contended (GIL monitor wake-up lag 6.2 ms)",
         "big",
     )
     lock = run(two, signals=TraceSignals(gil_pressure_ms=0.25))  # no slice counts: the GIL measured free decides

@@ -37,7 +37,7 @@ def queued_share(s: StageLike) -> float:
 
 
 def short_of_cpus(stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds) -> bool:
-    """The process's threads waited for CPUs during the request (the sampler's wake-ups did, or a stage's)."""
+    """The process's threads waited for CPUs during the request (the GIL monitor's wake-ups did, or a stage's)."""
     return (sig.cpu_pressure_ms or 0.0) >= th.quiet_cpu_pressure_ms or any(
         (s.runqueue_ms or 0.0) >= th.queued_min_ms and queued_share(s) >= th.quiet_share for s in cpu_stages(stages, th)
     )
@@ -75,7 +75,7 @@ def _cause_not_preemption(
 
     - LOCK: the stage's own scheduler counts prove that much of it was in waits longer than any wait for the
       GIL (``not_gil_ms``), or the GIL monitor found the GIL free;
-    - GIL: waits as short as GIL waits, beyond ``preempted_ms``, while the sampler found the GIL contended;
+    - GIL: waits as short as GIL waits, beyond ``preempted_ms``, while the GIL monitor found the GIL contended;
     - UNDETERMINED: GIL pressure not measured, or between free and contended.
     """
     if proven_not_gil(s, th):
@@ -100,23 +100,23 @@ def cpus_to_spare(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> b
 def blocked_cause(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> BlockedCause | None:
     """None when the stage was not blocked enough to matter; else what its blocked time was.
 
-    With CPUs to spare (the stage's wake-ups barely queued for a CPU, nor did the sampler's):
+    With CPUs to spare (the stage's wake-ups barely queued for a CPU, nor did the GIL monitor's):
 
     - LOCK: its own scheduler counts prove that much of it was in waits longer than any wait for the GIL
       (``not_gil_ms``), or the GIL monitor found the GIL free.
-    - GIL: waits as short as GIL waits while the sampler found the GIL contended.
+    - GIL: waits as short as GIL waits while the GIL monitor found the GIL contended.
 
     On a host out of CPUs a thread holding the GIL is preempted as often as it runs, every other thread waits
     on it, and the one made to drop the GIL waits, untimed, for a successor stuck in the run queue:
 
     - PREEMPTED_HOLDERS: waits as short as GIL waits; CPU_OVERSUBSCRIBED's cause and remedy, not GIL
       contention's. Always when the stage's own wake-ups queued for a CPU (the GIL monitor, a sleeper the
-      scheduler favours, queues less than the threads beside it); when only the sampler's did, unless its
+      scheduler favours, queues less than the threads beside it); when only the GIL monitor's did, unless its
       GIL waits were a whole switch interval and far longer than its waits for a CPU (holders running
       Python through their interval): then GIL, as it is on a host a little short of CPUs.
 
     - LOCK: the GIL monitor found the GIL free: a holder the scheduler preempted keeps the GIL and would have
-      held the sampler's wake-ups back too (the stage's own wait for a CPU is its run-queue time, named
+      held the GIL monitor's wake-ups back too (the stage's own wait for a CPU is its run-queue time, named
       CPU_OVERSUBSCRIBED on its own when it is long).
 
     Unless preemption cannot account for it: every wait on a preempted holder, or on the GIL handed to a
@@ -140,7 +140,7 @@ def blocked_cause(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> B
     proven = proven_not_gil(s, th)
     gil_like = at_least(gil_explainable_ms(s), th.blocked_min_ms, th.blocked_share, s)
     pressure = sig.gil_pressure_ms
-    # A GIL the sampler found free was neither held nor with a holder the scheduler had preempted.
+    # A GIL the GIL monitor found free was neither held nor with a holder the scheduler had preempted.
     free = pressure is not None and pressure < th.gil_free_ms
     if free:
         return LOCK

@@ -14,6 +14,10 @@ from typing import NamedTuple, Optional
 from stagetrace.analysis.breakdown import TraceAnalysis
 from stagetrace.analysis.causes import (
     EXPLAINED_BY,
+    GIL,
+    LOCK,
+    PREEMPTED_HOLDERS,
+    UNDETERMINED,
     BlockedCause,
     blocked_cause,
     cpu_stages,
@@ -28,8 +32,6 @@ from stagetrace.analysis.loopwait import split_blocker
 from stagetrace.analysis.model import NO_SIGNALS, StageLike, TraceSignals, occurrences_ms
 from stagetrace.analysis.thresholds import DiagnosisThresholds
 from stagetrace.conventions import EVENT_LOOP_WAIT, GPU_KINDS
-
-GIL, LOCK, PREEMPTED_HOLDERS, UNDETERMINED = BlockedCause
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +126,7 @@ def gil_contention(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: Diag
         return None
     return Found(
         f"'{s.name}' was blocked {gil_explainable_ms(s):.1f} ms of its {s.wall_ms:.1f} ms while the GIL was "
-        f"contended (sampler wake-up lag {sig.gil_pressure_ms:.1f} ms)",
+        f"contended (GIL monitor wake-up lag {sig.gil_pressure_ms:.1f} ms)",
         s.name,
     )
 

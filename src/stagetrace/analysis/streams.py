@@ -103,6 +103,11 @@ def split_phases(
     return before, between
 
 
+def largest(breakdown: Mapping[str, float]) -> str | None:
+    """The stage with the most time in a phase's breakdown (None for an empty one)."""
+    return max(breakdown, key=breakdown.__getitem__) if breakdown else None
+
+
 def summarise_stream(
     root_start_ns: int, stream: StreamFields, stages: Sequence[StageLike], charged_ms: Sequence[float | None]
 ) -> StreamSummary:
@@ -121,8 +126,8 @@ def summarise_stream(
         gap_max_ms=stream.gap_max_ns / 1e6 if gaps else None,
         send_wait_ms=stream.send_wait_ns / 1e6,
         disconnected=stream.disconnected,
-        first_chunk_bottleneck=max(before, key=before.__getitem__) if before else None,
-        gap_bottleneck=max(between, key=between.__getitem__) if between else None,
+        first_chunk_bottleneck=largest(before),
+        gap_bottleneck=largest(between),
         first_chunk_breakdown=before,
         gap_breakdown=between,
         gaps=GapHistogram(stream.gap_counts, stream.gap_sum_ns / 1e6, stream.gap_min_ns / 1e6, stream.gap_max_ns / 1e6)

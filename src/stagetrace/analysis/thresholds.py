@@ -17,15 +17,15 @@ class DiagnosisThresholds:
     pageable_min_bytes: int = 64 * 1024
     blocked_share: float = 0.25  # of a CPU stage's wall time
     blocked_min_ms: float = 5.0  # and at least this much: a few ms lost to other threads is normal
-    # Sampler wake-up lag (mean over the request): from gil_pressure_ms the GIL was contended, below gil_free_ms it
+    # GIL monitor wake-up lag (mean over the request): from gil_pressure_ms the GIL was contended, below gil_free_ms it
     # was free; in between a GIL wait and a lock wait look alike (``blocked_cause``).
     gil_pressure_ms: float = 1.0
     gil_free_ms: float = 0.5
     # Where the blocked time's cause can be told (``blocked_cause``). A host with CPUs to spare: the stage's
     # run-queue time under quiet_share of its time off the CPU, and the GIL monitor's wake-ups waiting under
     # quiet_cpu_pressure_ms for a CPU. A host out of CPUs: the stage's share at least queued_share, or the
-    # sampler's wait at least cpu_pressure_ms. A GIL wait of gil_held_ms (a whole 5 ms switch interval), and
-    # gil_over_cpu times the sampler's wait for a CPU, is holders running Python through their interval.
+    # GIL monitor's wait at least cpu_pressure_ms. A GIL wait of gil_held_ms (a whole 5 ms switch interval), and
+    # gil_over_cpu times the GIL monitor's wait for a CPU, is holders running Python through their interval.
     quiet_share: float = 0.10
     quiet_cpu_pressure_ms: float = 1.0
     queued_share: float = 0.25

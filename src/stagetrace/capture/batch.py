@@ -233,6 +233,10 @@ class Batch:
                         fold.add_run(trace, self)
         except Exception:
             report_internal_error("batch exit")
+        # Its members' traces are theirs to release: a batch their tickets still reach (a request's first
+        # memberships) must not keep other, finished requests' records alive through it.
+        self.tickets = []
+        self.folded_runs = []
         _close_root(self._root, exc)
 
     async def __aenter__(self) -> Batch:
@@ -260,7 +264,9 @@ class Batch:
         previous = _last_runs.get(self.name)
         for index, group in enumerate(groups):
             member_items = sum(t.items for t in group)
-            fold = group[0].fold
+            # A request folds a membership only when every ticket it has in this batch folds (several a step,
+            # beams): one kept ticket and the run is expanded whole, the folded tickets adding their waits.
+            fold = group[0].fold if all(t.fold is not None for t in group) else None
             member_span_id = fold.run_span_id if fold is not None else (_getrandbits(64) or 1)
             member = (index, member_items, member_span_id)
             joined = False

@@ -208,6 +208,7 @@ class Repeat:
         "max_ns",
         "min_ns",
         "name",
+        "on_event_loop",
         "parent_span_id",
         "parent_stage_id",
         "slowest",
@@ -219,7 +220,6 @@ class Repeat:
     # The shipped fields (common.wire.STAGE_FIELDS) a composite has no value for; no CUDA events of its own.
     cpu_start = cpu_end = attributes = gpu_ms = gpu_utilization = h2d_bytes = h2d_pinned = None
     queue_saturated = gpu = None
-    on_event_loop = False
     example = False
     gpu_resolved = True
 
@@ -236,6 +236,7 @@ class Repeat:
         self.slowest: StageRecord | None = None
         self.error: tuple[str, str, str] | None = None
         self.batch: tuple[Any, ...] | None = None  # a folded batch wait's: its formation and busy time summed
+        self.on_event_loop = False  # an occurrence ran sync on the event loop (EVENT_LOOP_BLOCKED reads it)
 
     @property
     def compressed(self) -> tuple[int, int, int, int]:
@@ -253,6 +254,7 @@ class Repeat:
         self.slowest = None
         self.error = None
         self.batch = None
+        self.on_event_loop = False
         return self
 
     def fold(self, rec: StageRecord) -> None:
@@ -270,6 +272,8 @@ class Repeat:
             self.min_ns = ns
         if rec.error is not None and self.error is None:
             self.error = rec.error
+        if rec.on_event_loop:
+            self.on_event_loop = True
         if ns >= self.max_ns:
             self.max_ns = ns
             self.slowest = rec
@@ -319,6 +323,9 @@ def count_repeat(trace: TraceRecord, rec: StageRecord, new_span_id: Any) -> None
             trace.repeats[name] = {seen: 1, parent: 1}
             return
         seen = trace.repeats[name] = Repeat(rec, 1)
+    elif type(seen) is Repeat and seen.parent_span_id != parent:  # a second parent: one count per parent
+        trace.repeats[name] = {seen.parent_span_id: seen, parent: 1}
+        return
     elif type(seen) is dict:
         found = seen.get(parent)
         if type(found) is not Repeat:
@@ -330,8 +337,8 @@ def count_repeat(trace: TraceRecord, rec: StageRecord, new_span_id: Any) -> None
     repeat: Repeat = seen
     repeat.count += 1
     if repeat.count == KEEP_REPEATS and not repeat.folding:
+        repeat.span_id = new_span_id(64) or 1  # before folding is set: enter_stage reads it without the lock
         repeat.folding = True
-        repeat.span_id = new_span_id(64) or 1
         trace.stages.append(repeat)  # type: ignore[arg-type]  # a stage to the shipper, as a composite
 
 

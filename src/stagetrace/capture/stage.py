@@ -242,9 +242,7 @@ def exit_stage(rec: StageRecord | None, exc: BaseException | None, end_ns: int |
             with trace.lock:
                 if not trace.closed:
                     if rec.repeat is not None:
-                        rec.repeat.fold(rec)
-                        if rec.gpu is not None:
-                            rt.gpu.forget(rec)  # folded with its host time: its CUDA events go back unread
+                        rec.repeat.fold(rec)  # with its host time: a folded occurrence records no CUDA events
                     elif len(trace.stages) < rt.max_stages_per_trace:
                         trace.stages.append(rec)
                         count_repeat(trace, rec, _getrandbits)

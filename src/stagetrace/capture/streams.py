@@ -152,7 +152,10 @@ def _attach(rt: Any) -> StreamStats | None:
         if trace is None:
             return None
         stats = StreamStats()
-        trace.stream = stats
+        with trace.lock:
+            if trace.closed:
+                return None
+            trace.stream = stats
         return stats
     except Exception:
         report_internal_error("stream timing")

@@ -203,7 +203,7 @@ def unpack_trace(msg: Sequence[Any]) -> ShippedTrace:
     """A TRACE message's fields (without the kind), checked: ValueError for one of the wrong shape."""
     if len(msg) != len(ShippedTrace._fields) + 1:
         raise ValueError(f"a trace message has {len(ShippedTrace._fields) + 1} fields, got {len(msg)}")
-    t = ShippedTrace._make(msg[1:])
+    t: ShippedTrace = _as_shipped_trace(ShippedTrace, msg[1:])
     ints = (t.trace_id, t.offset, t.flags, t.loop_thread, t.task_created_ns, t.received_ms_ago)
     if not all(type(v) is int for v in ints):
         raise ValueError("malformed trace header")
@@ -212,12 +212,18 @@ def unpack_trace(msg: Sequence[Any]) -> ShippedTrace:
     if t.gen_ai is not None and not isinstance(t.gen_ai, dict):
         raise ValueError("malformed gen_ai record")
     as_sent: Sequence[Any] = cast(Sequence[Any], t.stages)  # still the sender's tuples until built here
-    return t._replace(
-        root=check_span(t.root),
-        stages=[ShippedStage(st) for st in as_sent],
-        others=[check_span(span) for span in t.others],
-        stream=stream_fields(t.stream),
-    )
+    fields = list(t)
+    fields[_TRACE_ROOT] = check_span(t.root)
+    fields[_TRACE_STAGES] = [ShippedStage(st) for st in as_sent]
+    fields[_TRACE_OTHERS] = [check_span(span) for span in t.others]
+    fields[_TRACE_STREAM] = stream_fields(t.stream)
+    return _as_shipped_trace(ShippedTrace, fields)  # what _replace does, without its per-field Python loop
+
+
+_as_shipped_trace = tuple.__new__
+_TRACE_ROOT, _TRACE_STAGES, _TRACE_OTHERS, _TRACE_STREAM = (
+    ShippedTrace._fields.index(name) for name in ("root", "stages", "others", "stream")
+)
 
 
 # --- spans --------------------------------------------------------------------------------------------
@@ -249,6 +255,9 @@ class WireSpan(NamedTuple):
 
 
 SPAN_FIELDS = WireSpan._fields
+# A WireSpan from a tuple in its order, in one C call (``WireSpan._make`` and keyword construction run Python
+# code: the exporter makes one per span of every trace, and one per stage span it builds).
+_as_wire_span = tuple.__new__
 SPAN_INDEX = {name: i for i, name in enumerate(SPAN_FIELDS)}  # for the encoder's index reads on its hot path
 _SPAN_COUNTS = tuple(SPAN_INDEX[f] for f in ("dropped_attributes", "dropped_events", "dropped_links"))
 _LINKS = SPAN_INDEX["links"]
@@ -362,7 +371,7 @@ def _scope(name: str, version: str) -> InstrumentationScope:
 
 def to_readable(packed: Sequence[Any], resource: Resource) -> ReadableSpan:
     """The wire tuple as an SDK span, ready for any span processor or exporter."""
-    p = packed if type(packed) is WireSpan else WireSpan._make(packed)
+    p: WireSpan = packed if type(packed) is WireSpan else _as_wire_span(WireSpan, packed)
     trace_id, flags, state_header = p.trace_id, p.flags, p.trace_state
     trace_flags = TraceFlags(flags)
     state = parse_trace_state(state_header)
@@ -395,7 +404,7 @@ def check_span(packed: Any) -> WireSpan:
     """A span tuple from the channel, checked enough that building it cannot fail later, by name."""
     if not isinstance(packed, tuple) or len(packed) != len(SPAN_FIELDS):
         raise ValueError("malformed span record")
-    span = packed if type(packed) is WireSpan else WireSpan._make(packed)
+    span: WireSpan = packed if type(packed) is WireSpan else _as_wire_span(WireSpan, packed)
     if not isinstance(span.name, str) or not isinstance(span.trace_id, int):
         raise ValueError("malformed span record")
     if not isinstance(span.start_ns, int) or not isinstance(span.end_ns, int):
@@ -407,9 +416,18 @@ def check_span(packed: Any) -> WireSpan:
     return span
 
 
+def new_span(*fields: Any) -> WireSpan:
+    """A WireSpan from its fields in ``WireSpan``'s order (positional: the exporter builds one per stage span,
+    and keyword construction runs Python code per field)."""
+    return _as_wire_span(WireSpan, fields)
+
+
 def replace_span(span: WireSpan, **changes: Any) -> WireSpan:
     """The span with some fields changed (by name)."""
-    return span._replace(**changes)
+    fields = list(span)
+    for name, value in changes.items():
+        fields[SPAN_INDEX[name]] = value
+    return _as_wire_span(WireSpan, fields)
 
 
 def with_links(packed: tuple[Any, ...], links: tuple[Any, ...]) -> tuple[Any, ...]:

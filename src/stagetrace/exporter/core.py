@@ -2,7 +2,7 @@
 span building and export. The same object runs in the exporter process and, with
 ``STAGETRACE_EXPORT_PROCESS=off``, on a background thread of the application.
 
-``handle`` takes one message (``handoff.wire``); a message that does not have the shape of its kind raises
+``handle`` takes one message (``common.wire``); a message that does not have the shape of its kind raises
 ``MalformedRecord`` and changes nothing, so the caller can count it and go on.
 """
 
@@ -190,7 +190,9 @@ class ExporterCore:
         route = route if isinstance(route, str) else None
         blocked_by: tuple[str, ...] = ()
         if t.loop_thread and len(self.loop_blocks):
-            own = [(st.start_ns, st.end_ns) for st in analysed]
+            # A composite's extent runs from its first folded occurrence to its last, gaps included: not time
+            # the request was busy (its kept occurrences and its runs on worker threads still are).
+            own = [(st.start_ns, st.end_ns) for st in analysed if st.compressed is None]
             own += zip(t.worker_runs[::2], t.worker_runs[1::2])  # the request's code on worker threads
             waits, blocked_by = self._loop_waits(trace_id, t.loop_thread, root, offset, own)
             stages = stages + waits

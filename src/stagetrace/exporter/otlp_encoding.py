@@ -1,4 +1,4 @@
-"""Wire spans (``handoff.wire`` span tuples) straight to an OTLP ``ExportTraceServiceRequest`` in protobuf
+"""Wire spans (``common.wire`` span tuples) straight to an OTLP ``ExportTraceServiceRequest`` in protobuf
 bytes: the message the SDK's OTLP exporters send, without building an SDK span or a protobuf object per span.
 
 The SDK's path for a kept span is a ``ReadableSpan`` from the tuple, a ``pb2.Span`` per span, a ``pb2``

@@ -23,7 +23,7 @@ from stagetrace.analysis import (
 )
 from stagetrace.analysis.diagnosis import ADVICE
 from stagetrace.analysis.model import CompressedInfo
-from stagetrace.analysis.streams import StreamSummary, split_phases
+from stagetrace.analysis.streams import StreamSummary, largest, split_phases
 from stagetrace.exporter.spans import batch_from_attributes
 from stagetrace.report.loader import Span
 from stagetrace.settings import DEFAULT_SLOW_THRESHOLD_MS
@@ -111,8 +111,8 @@ def _with_phases(stream: StreamSummary, root_start_ns: int, samples: list[StageS
     return stream._replace(
         first_chunk_breakdown=before,
         gap_breakdown=between,
-        first_chunk_bottleneck=max(before, key=before.__getitem__) if before else None,
-        gap_bottleneck=max(between, key=between.__getitem__) if between else None,
+        first_chunk_bottleneck=largest(before),
+        gap_bottleneck=largest(between),
     )
 
 
