@@ -196,7 +196,7 @@ class ShippedTrace(NamedTuple):
 def trace_message(**fields: Any) -> tuple[Any, ...]:
     """A TRACE message from its fields by name (``ShippedTrace``'s, as the sender has them: spans and
     stages still plain tuples), in the order ``ShippedTrace`` gives them."""
-    return (TRACE, *(fields[name] for name in ShippedTrace._fields))
+    return (TRACE, *map(fields.__getitem__, ShippedTrace._fields))
 
 
 def unpack_trace(msg: Sequence[Any]) -> ShippedTrace:

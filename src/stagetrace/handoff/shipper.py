@@ -438,6 +438,8 @@ class Shipper:
     def _pack_stages(self, stages: list[Any], pack: Callable[[Any], tuple[Any, ...]]) -> tuple[tuple[Any, ...], ...]:
         """Each stage packed; a composite of repeated occurrences (once anything folded into it) with its
         slowest occurrence as the example span."""
+        if Repeat not in map(type, stages):  # no composite: the usual trace, packed in one C-level pass
+            return tuple(map(pack, stages))
         out = []
         for rec in stages:
             if type(rec) is not Repeat:
