@@ -417,6 +417,7 @@ class Shipper:
         if trace.batch is not None:
             packed_root = wire.with_links(packed_root, tuple(wire.member_link(*m) for m in trace.batch.members))
         task_created_ns, received_ms_ago = trace.arrival or (0, -1)
+        pack = fanout.pack_member_stage if tickets else wire.pack_stage
         return wire.trace_message(
             trace_id=trace.trace_id,
             flags=int(ctx.trace_flags),
@@ -425,7 +426,7 @@ class Shipper:
             dropped_stages=trace.dropped_stages,
             gpu_utilization=gpu_utilization,
             root=packed_root,
-            stages=self._pack_stages(stages, fanout.pack_member_stage if tickets else wire.pack_stage),
+            stages=tuple(map(pack, stages)) if Repeat not in map(type, stages) else self._pack_stages(stages, pack),
             others=tuple(map(pack_any_span, others)),
             loop_thread=trace.loop_thread,
             worker_runs=tuple(worker_runs),
@@ -437,9 +438,8 @@ class Shipper:
 
     def _pack_stages(self, stages: list[Any], pack: Callable[[Any], tuple[Any, ...]]) -> tuple[tuple[Any, ...], ...]:
         """Each stage packed; a composite of repeated occurrences (once anything folded into it) with its
-        slowest occurrence as the example span."""
-        if Repeat not in map(type, stages):  # no composite: the usual trace, packed in one C-level pass
-            return tuple(map(pack, stages))
+        slowest occurrence as the example span. (A trace without composites, the usual one, is packed in one
+        C-level pass by the caller.)"""
         out = []
         for rec in stages:
             if type(rec) is not Repeat:
