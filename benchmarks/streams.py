@@ -93,6 +93,15 @@ def make_app(telemetry: str, truth: TrueSum) -> Any:
 
     app = FastAPI()
 
+    def token(i: int) -> str:
+        """One token's work, the same in both generators: a model step and a detokenize, then its chunk."""
+        with stagetrace.stage("decode_step") as rec:
+            busy(BUSY_US)
+        truth.add(rec)
+        with stagetrace.stage("detokenize"):
+            busy(BUSY_US)
+        return f"data: {i}\n\n"
+
     @app.get("/sync")
     def generate_sync(n: int) -> Any:
         with stagetrace.stage("prefill"):
@@ -100,12 +109,7 @@ def make_app(telemetry: str, truth: TrueSum) -> Any:
 
         def body():
             for i in range(n):
-                with stagetrace.stage("decode_step") as rec:
-                    busy(BUSY_US)
-                truth.add(rec)
-                with stagetrace.stage("detokenize"):
-                    busy(BUSY_US)
-                yield f"data: {i}\n\n"
+                yield token(i)
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
@@ -116,12 +120,7 @@ def make_app(telemetry: str, truth: TrueSum) -> Any:
 
         async def body():
             for i in range(n):
-                with stagetrace.stage("decode_step") as rec:
-                    busy(BUSY_US)
-                truth.add(rec)
-                with stagetrace.stage("detokenize"):
-                    busy(BUSY_US)
-                yield f"data: {i}\n\n"
+                yield token(i)
 
         return StreamingResponse(body(), media_type="text/event-stream")
 

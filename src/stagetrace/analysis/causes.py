@@ -11,6 +11,23 @@ from collections.abc import Callable, Sequence
 from stagetrace.analysis.model import StageLike, TraceSignals
 from stagetrace.analysis.thresholds import DiagnosisThresholds
 
+# The DiagnosisThresholds fields the blocked-cause classifier reads: every rule that names a cause from it
+# (GIL_CONTENTION, LOCK_OR_IO_WAIT, OFF_CPU_WAIT, CPU_OVERSUBSCRIBED) reads them all.
+CLASSIFIER_THRESHOLDS = (
+    "min_stage_ms",
+    "blocked_share",
+    "blocked_min_ms",
+    "gil_pressure_ms",
+    "gil_free_ms",
+    "quiet_share",
+    "quiet_cpu_pressure_ms",
+    "queued_share",
+    "queued_min_ms",
+    "cpu_pressure_ms",
+    "gil_held_ms",
+    "gil_over_cpu",
+)
+
 
 def cpu_stages(stages: Sequence[StageLike], th: DiagnosisThresholds) -> list[StageLike]:
     """The CPU stages long enough for a per-stage rule."""

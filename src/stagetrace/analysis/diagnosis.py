@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 
 from stagetrace.analysis.breakdown import TraceAnalysis
 from stagetrace.analysis.causes import (
+    CLASSIFIER_THRESHOLDS,
     EXPLAINED_BY,
     GIL,
     LOCK,
@@ -416,20 +417,7 @@ RULES: tuple[DiagnosisRule, ...] = (
             "separate workers) or to libraries that release the GIL; avoid pure-Python loops beside the server."
         ),
         requires=frozenset({Signal.STAGE_CPU}),
-        thresholds=(
-            "min_stage_ms",
-            "blocked_share",
-            "blocked_min_ms",
-            "gil_pressure_ms",
-            "gil_free_ms",
-            "quiet_share",
-            "quiet_cpu_pressure_ms",
-            "queued_share",
-            "queued_min_ms",
-            "cpu_pressure_ms",
-            "gil_held_ms",
-            "gil_over_cpu",
-        ),
+        thresholds=CLASSIFIER_THRESHOLDS,
     ),
     DiagnosisRule(
         "LOCK_OR_IO_WAIT",
@@ -439,20 +427,7 @@ RULES: tuple[DiagnosisRule, ...] = (
             "blocks on (py-spy dump during a slow request) and shorten the critical section or make it async."
         ),
         requires=frozenset({Signal.STAGE_CPU}),
-        thresholds=(
-            "min_stage_ms",
-            "blocked_share",
-            "blocked_min_ms",
-            "gil_pressure_ms",
-            "gil_free_ms",
-            "quiet_share",
-            "quiet_cpu_pressure_ms",
-            "queued_share",
-            "queued_min_ms",
-            "cpu_pressure_ms",
-            "gil_held_ms",
-            "gil_over_cpu",
-        ),
+        thresholds=CLASSIFIER_THRESHOLDS,
     ),
     DiagnosisRule(
         "OFF_CPU_WAIT",
@@ -463,20 +438,7 @@ RULES: tuple[DiagnosisRule, ...] = (
             "it holds the GIL); a stage that spans several GIL-monitor periods gets a cause named."
         ),
         requires=frozenset({Signal.STAGE_CPU}),
-        thresholds=(
-            "min_stage_ms",
-            "blocked_share",
-            "blocked_min_ms",
-            "gil_pressure_ms",
-            "gil_free_ms",
-            "quiet_share",
-            "quiet_cpu_pressure_ms",
-            "queued_share",
-            "queued_min_ms",
-            "cpu_pressure_ms",
-            "gil_held_ms",
-            "gil_over_cpu",
-        ),
+        thresholds=CLASSIFIER_THRESHOLDS,
         undetermined_between=("GIL_CONTENTION", "LOCK_OR_IO_WAIT", "CPU_OVERSUBSCRIBED"),
     ),
     DiagnosisRule(
@@ -487,22 +449,7 @@ RULES: tuple[DiagnosisRule, ...] = (
             "OMP_NUM_THREADS / MKL_NUM_THREADS, the worker count and the thread pool."
         ),
         requires=frozenset({Signal.STAGE_CPU}),
-        thresholds=(
-            "min_stage_ms",
-            "blocked_share",
-            "blocked_min_ms",
-            "gil_pressure_ms",
-            "gil_free_ms",
-            "quiet_share",
-            "quiet_cpu_pressure_ms",
-            "queued_share",
-            "queued_min_ms",
-            "cpu_pressure_ms",
-            "gil_held_ms",
-            "gil_over_cpu",
-            "runqueue_share",
-            "runqueue_min_ms",
-        ),
+        thresholds=(*CLASSIFIER_THRESHOLDS, "runqueue_share", "runqueue_min_ms"),
     ),
     DiagnosisRule(
         "EVENT_LOOP_BLOCKED",
