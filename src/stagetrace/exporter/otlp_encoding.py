@@ -37,11 +37,14 @@ def _tag(field: int, wire_type: int) -> bytes:
     return _varint((field << 3) | wire_type)
 
 
+_ONE_BYTE = tuple(bytes((i,)) for i in range(0x80))  # the varints of 0..127, one byte each
+
+
 def _varint(value: int) -> bytes:
+    if 0 <= value < 0x80:
+        return _ONE_BYTE[value]
     if value < 0:
         value += 1 << 64  # int64: two's complement, ten bytes
-    if value < 0x80:
-        return bytes((value,))
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
@@ -119,30 +122,79 @@ def _any_value(value: Any) -> bytes:
     raise TypeError(f"cannot encode a {kind.__name__} attribute value")
 
 
-_KEYS: dict[str, bytes] = {}  # an attribute key's encoding (its KeyValue field and tag), by key
-_MAX_KEYS = 4096
+class _KeyCodec:
+    """What one attribute key's ``KeyValue`` fields start with under one tag, worked out once: a span's
+    attributes are mostly stagetrace's own keys with numbers, whose whole field is then a prefix and eight
+    bytes (a double)."""
+
+    __slots__ = ("double_prefix", "false", "key_then_value", "tag", "true")
+
+    def __init__(self, tag: bytes, key: str) -> None:
+        self.tag = tag
+        self.key_then_value = _len_field(_KV_KEY, key.encode("utf-8")) + _KV_VALUE
+        # KeyValue{key, value: AnyValue{double}}: the value's length is 9 (a tag and eight bytes)
+        self.double_prefix = tag + _varint(len(self.key_then_value) + 10) + self.key_then_value + b"\x09" + _ANY_DOUBLE
+        self.true = self.field(_BOOLS[True])
+        self.false = self.field(_BOOLS[False])
+
+    def field(self, any_value: bytes) -> bytes:
+        """The whole ``KeyValue`` field, given its value's ``AnyValue`` fields."""
+        body = self.key_then_value + _varint(len(any_value)) + any_value
+        return self.tag + _varint(len(body)) + body
+
+
+_CODECS: dict[tuple[bytes, str], _KeyCodec] = {}  # by (tag, key)
+_MAX_CODECS = 4096
+
+
+def _codec(tag: bytes, key: str) -> _KeyCodec:
+    codec = _CODECS.get((tag, key))
+    if codec is None:
+        codec = _KeyCodec(tag, key)
+        if len(_CODECS) < _MAX_CODECS:
+            _CODECS[(tag, key)] = codec
+    return codec
 
 
 def _key_value(tag: bytes, key: str, value: Any) -> bytes:
-    encoded_key = _KEYS.get(key)
-    if encoded_key is None:
-        encoded_key = _len_field(_KV_KEY, key.encode("utf-8"))
-        if len(_KEYS) < _MAX_KEYS:
-            _KEYS[key] = encoded_key
-    return _len_field(tag, encoded_key + _len_field(_KV_VALUE, _any_value(value)))
+    codec = _codec(tag, key)
+    kind = type(value)
+    if kind is float:
+        return codec.double_prefix + _pack_double(value)
+    if kind is bool:
+        return codec.true if value else codec.false
+    return codec.field(_any_value(value))
 
 
 def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> list[bytes]:
     """The attributes as repeated ``KeyValue`` fields under ``tag``; a value that cannot be encoded is left
-    out, as the SDK's encoder does (it logs each one)."""
+    out, as the SDK's encoder does (it logs each one). The common kinds of value are written inline: this
+    loop is most of the cost of an exported span."""
     if not attributes:
         return []
     out = []
+    codecs, varint = _CODECS, _varint
     for key, value in attributes.items():
+        codec = codecs.get((tag, key)) or _codec(tag, key)
+        kind = type(value)
+        if kind is float:
+            out.append(codec.double_prefix + _pack_double(value))
+            continue
+        if kind is bool:
+            out.append(codec.true if value else codec.false)
+            continue
         try:
-            out.append(_key_value(tag, key, value))
+            if kind is str:
+                text = value.encode("utf-8")
+                any_value = _ANY_STRING + varint(len(text)) + text
+            elif kind is int:
+                any_value = _ANY_INT + varint(value)
+            else:
+                any_value = _any_value(value)
         except (TypeError, ValueError, UnicodeError):
             continue
+        body = codec.key_then_value + varint(len(any_value)) + any_value
+        out.append(tag + varint(len(body)) + body)
     return out
 
 
