@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -365,3 +366,58 @@ def test_the_gil_sampler_covers_a_trace_once_it_woke_after_its_end_or_went_idle(
     while sampler._thread is not None and sampler._thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert sampler.covers(time.time_ns() + 10**12)  # stopped: nothing to wait for
+
+
+def test_the_process_run_queue_is_read_after_every_wait_and_every_fifth_quiet_wake_up():
+    from stagetrace.capture.monitors import (
+        CONTENDED_LAG_NS,
+        CONTENDED_RUN_QUEUE_NS,
+        PROCESS_READ_EVERY,
+        ProcessReadSchedule,
+    )
+
+    schedule = ProcessReadSchedule()
+    reads = []
+    for wake in range(20):  # quiet: the first wake-up of the stretch, then every PROCESS_READ_EVERY
+        reads.append(schedule.due())
+        schedule.woke(CONTENDED_LAG_NS - 1, CONTENDED_RUN_QUEUE_NS - 1)
+    assert [i for i, read in enumerate(reads) if read] == list(range(0, 20, PROCESS_READ_EVERY))
+    schedule = ProcessReadSchedule()
+    assert schedule.due()
+    schedule.woke(0, 0)
+    for lag, rq in ((CONTENDED_LAG_NS, 0), (0, CONTENDED_RUN_QUEUE_NS)):  # a wait of either kind
+        assert not schedule.due()
+        schedule.woke(lag, rq)
+        assert schedule.due()  # the next wake-up reads
+        schedule.woke(0, 0)
+    schedule.restart()  # back from idle: the first wake-up reads
+    assert schedule.due()
+
+
+def test_a_sampler_beside_a_thread_holding_the_gil_reads_the_run_queue_at_most_wake_ups():
+    from stagetrace.capture.monitors import GilPressureMonitor
+
+    sampler = GilPressureMonitor(0.005, in_flight=lambda: 1)
+    if not os.path.exists("/proc/thread-self/schedstat"):
+        pytest.skip("needs Linux schedstat")
+    stop = threading.Event()
+
+    def hold_the_gil() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    holder = threading.Thread(target=hold_the_gil, daemon=True)
+    holder.start()
+    sampler.ensure_running()
+    try:
+        deadline = time.monotonic() + 10
+        wakes = 0
+        while wakes < 30 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            wakes += len(sampler.series.drain())
+    finally:
+        sampler.stop()
+        stop.set()
+        holder.join(5)
+    # every wake-up waited a switch interval for the GIL, so each read the total for the next
+    assert wakes >= 30 and sampler.process_reads >= 0.8 * wakes

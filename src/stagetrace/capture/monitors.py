@@ -25,6 +25,12 @@ from stagetrace.common.schedstat import loop_held_ms
 
 _perf_ns = time.perf_counter_ns
 IDLE_CHECK_S = 1.0  # an idle sampler looks again this often even unwoken (a missed wake costs at most this)
+# The process's run-queue total is read at every wake-up that follows one which waited (for the GIL or a CPU)
+# at least this long, and at least every PROCESS_READ_EVERY wake-ups otherwise: one read per thread, most of a
+# wake-up's cost (benchmarks/idle_cost.py), and quiet stretches only widen a bracket by what hardly grew.
+CONTENDED_LAG_NS = 500_000
+CONTENDED_RUN_QUEUE_NS = 100_000
+PROCESS_READ_EVERY = 5
 T = TypeVar("T")
 
 
@@ -54,14 +60,38 @@ class SampleBuffer(DrainQueue[tuple[int, float]]):
         self._items.append((time.time_ns(), value))
 
 
+class ProcessReadSchedule:
+    """When the GIL monitor reads the process's run-queue total: at the first wake-up of a busy stretch, at
+    every wake-up after one that waited (for the GIL or for a CPU), and every ``every`` wake-ups otherwise."""
+
+    __slots__ = ("every", "unread")
+
+    def __init__(self, every: int = PROCESS_READ_EVERY) -> None:
+        self.every = every
+        self.unread = every  # wake-ups since the last read
+
+    def due(self) -> bool:
+        if self.unread >= self.every:
+            self.unread = 0
+            return True
+        return False
+
+    def woke(self, lag_ns: float, run_queue_ns: float) -> None:
+        waited = lag_ns >= CONTENDED_LAG_NS or run_queue_ns >= CONTENDED_RUN_QUEUE_NS
+        self.unread = self.every if waited else self.unread + 1
+
+    def restart(self) -> None:
+        self.unread = self.every
+
+
 class GilPressureMonitor:
-    """One thread: about ``1/period`` wake-ups per second while a trace is in flight, each some tens of
-    microseconds (most of it one read per thread of the process for ``process_run_queue``; the lag it
-    reports includes that own work, ~0.05 ms). Beside the GIL wait, each wake-up's run-queue wait is kept
-    (``run_queue``): how long a thread made runnable waited for a CPU, the host's oversubscription as any
-    thread of the process meets it;
-    and the run-queue wait of all the process's other threads so far (``process_run_queue``, cumulative ms),
-    which bounds how much of a stage's blocked time preempted GIL holders can explain.
+    """One thread: about ``1/period`` wake-ups per second while a trace is in flight. Beside the GIL wait,
+    each wake-up's run-queue wait is kept (``run_queue``): how long a thread made runnable waited for a CPU,
+    the host's oversubscription as any thread of the process meets it; and the run-queue wait of all the
+    process's other threads so far (``process_run_queue``, cumulative ms), which bounds how much of a stage's
+    blocked time preempted GIL holders can explain. That total costs a read per thread, so it is taken at the
+    wake-ups after one that waited (where the bound matters) and every ``PROCESS_READ_EVERY`` otherwise: a
+    quiet wake-up costs a sleep and one read of its own schedstat.
 
     Samples only count inside a trace's window, so with none in flight (``in_flight() == 0``) the thread
     sleeps on ``wake`` until the registry opens a trace (``TraceRegistry.idle_wake``): an idle server pays
@@ -81,6 +111,7 @@ class GilPressureMonitor:
         self._thread: threading.Thread | None = None
         self._pid = 0
         self.idle_waits = 0  # times the thread went to sleep with nothing in flight
+        self.process_reads = 0  # readings of the process's run-queue total taken at wake-ups
         self.last_wake_ns = 0  # epoch ns of the last wake-up, or of going idle (every trace ended by then)
 
     def ensure_running(self) -> None:
@@ -103,6 +134,7 @@ class GilPressureMonitor:
         # the loop's own few lines: under heavy contention each of them can wait a switch interval, and a
         # lag timed from just before the sleep would leave those stretches (tens of ms) in no sample.
         rq0, t0 = 0, 0
+        schedule = ProcessReadSchedule()
         while not self._stop.is_set():
             if in_flight is not None and not in_flight():
                 wake.clear()  # before the check: a trace opened from here on sets it again
@@ -111,15 +143,18 @@ class GilPressureMonitor:
                     self.last_wake_ns = time.time_ns()
                     wake.wait(IDLE_CHECK_S)
                 t0 = 0
+                schedule.restart()
                 continue
             if not t0:
                 rq0 = run_queue() if run_queue else 0
                 t0 = _perf_ns()
-            if process_total is not None:
-                self.process_run_queue.add(process_total())  # at each wake-up (and the first after idling)
+            if process_total is not None and schedule.due():
+                self.process_run_queue.add(process_total())
+                self.process_reads += 1
             time.sleep(period)
             t1 = _perf_ns()
             lag_ns = t1 - t0 - period * 1e9
+            rq_ns = 0
             if run_queue:
                 # The OS's part of the delay (waiting for a CPU after the timer fired) is this thread's
                 # run-queue time; what remains is the wait for the GIL.
@@ -131,6 +166,7 @@ class GilPressureMonitor:
             t0 = t1
             self.series.add(max(0.0, lag_ns / 1e6))
             self.last_wake_ns = time.time_ns()
+            schedule.woke(lag_ns, rq_ns)
         self._process = None
         if process is not None:
             process.close()
