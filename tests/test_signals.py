@@ -378,7 +378,7 @@ def test_the_process_run_queue_is_read_after_every_wait_and_every_fifth_quiet_wa
 
     schedule = ProcessReadSchedule()
     reads = []
-    for wake in range(20):  # quiet: the first wake-up of the stretch, then every PROCESS_READ_EVERY
+    for _ in range(20):  # quiet: the first wake-up of the stretch, then every PROCESS_READ_EVERY
         reads.append(schedule.due())
         schedule.woke(CONTENDED_LAG_NS - 1, CONTENDED_RUN_QUEUE_NS - 1)
     assert [i for i, read in enumerate(reads) if read] == list(range(0, 20, PROCESS_READ_EVERY))
