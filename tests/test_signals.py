@@ -183,7 +183,7 @@ def test_resolve_cpu_reads_the_slice_count_from_schedstat():
 
     def stage(start: bytes, end: bytes):
         return SimpleNamespace(
-            cpu_start=start, cpu_end=end, start_ns=0, end_ns=50 * MS, wall_ms=50.0,
+            cpu_start=start, cpu_end=end, start_ns=0, end_ns=50 * MS, wall_ms=50.0, compressed=None,
             cpu_ms=None, runqueue_ms=None, blocked_ms=None, not_gil_ms=None,
         )  # fmt: skip
 

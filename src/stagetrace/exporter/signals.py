@@ -28,26 +28,36 @@ def resolve_cpu(stage: Any, gil_wait_bound_ms: float | None = None) -> None:
     of at least 1 ms: below that the split is scheduler noise, no rule looks at it, and each attribute costs
     encoding on every span."""
     start, end = stage.cpu_start, stage.cpu_end
-    if start is None or end is None or stage.end_ns - stage.start_ns < MIN_CPU_ACCOUNTED_NS:
+    if start is None or end is None:
         return
-    if isinstance(start, int) != isinstance(end, int):
+    wall_ns = stage.end_ns - stage.start_ns
+    if wall_ns < MIN_CPU_ACCOUNTED_NS:
+        return
+    kind = type(start)
+    if kind is not type(end):
         return  # readings of two kinds (the name's history changed in between): no comparable pair
-    wall_ms = stage.wall_ms
+    # (every stage of every trace comes through here: comparisons, not max(), and one round() a figure)
+    wall_ms = stage.wall_ms if stage.compressed is not None else wall_ns / 1e6
     slices = None
-    if isinstance(start, bytes):
+    if kind is bytes:
         try:
             cpu_ms, rq_ms, slices = schedstat_delta(start, end)
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, IndexError):
             return
-        stage.runqueue_ms = round(max(0.0, rq_ms), 3)
-    elif isinstance(start, int):  # thread CPU clock only: run-queue time stays inside blocked_ms
+        if rq_ms < 0:
+            rq_ms = 0.0
+        stage.runqueue_ms = round(rq_ms, 3)
+    elif kind is int:  # thread CPU clock only: run-queue time stays inside blocked_ms
         cpu_ms, rq_ms = (end - start) / 1e6, 0.0
     else:
         return
-    stage.cpu_ms = round(max(0.0, cpu_ms), 3)
-    stage.blocked_ms = round(max(0.0, wall_ms - cpu_ms - rq_ms), 3)
+    if cpu_ms < 0:
+        cpu_ms = 0.0
+    stage.cpu_ms = round(cpu_ms, 3)
+    blocked = wall_ms - cpu_ms - rq_ms
+    stage.blocked_ms = blocked = round(blocked, 3) if blocked > 0 else 0.0
     if slices is not None and gil_wait_bound_ms is not None:
-        stage.not_gil_ms = round(not_gil_ms(stage.blocked_ms, slices, gil_wait_bound_ms), 3)
+        stage.not_gil_ms = round(not_gil_ms(blocked, slices, gil_wait_bound_ms), 3)
 
 
 def resolve_others_runqueue(stage: Any, series: LagSeries, offset_ns: int) -> None:
