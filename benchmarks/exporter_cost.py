@@ -1,0 +1,194 @@
+"""What the exporter process spends on one trace: the verdict and metrics every trace gets, and the spans
+and OTLP bytes of an exported one.
+
+    python benchmarks/exporter_cost.py [--requests 300] [--rounds 5]
+    python benchmarks/exporter_cost.py --instructions        # valgrind: instructions a trace
+
+The messages come from the endpoint of ``benchmarks/e2e.py`` (a FastAPI route of six stages), served in
+process by Starlette's TestClient with the exporter's work on a thread (``STAGETRACE_EXPORT_PROCESS=off``)
+and recorded as the exporter received them, on the contrib path and on FastAPI's own telemetry. They are
+then replayed into a fresh ``ExporterCore`` as the exporter process feeds it (``marshal`` frames of 20
+messages), with stagetrace's metric aggregation behind an SDK reader:
+
+  verdict    every trace analysed, diagnosed and counted in the metrics, none kept (the diagnosis
+             thresholds silent, no healthy share): what every trace costs the exporter;
+  exported   every trace also kept (healthy share 1.0, no export budget), its spans built and encoded to
+             OTLP/HTTP protobuf bytes (not sent): what a kept trace costs on top.
+
+CPU time a trace is the median of ``--rounds`` rounds (this VM moves it by +-20 % between runs).
+``--instructions`` counts instructions instead (valgrind's callgrind, the replay at ``--reps`` and twice as
+many passes over the recorded traces, the difference divided by the traces, so start-up cancels), which
+moves by a few per cent at most. Needs ``apt-get install valgrind``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import marshal
+import os
+import pickle
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+VARIANTS = {"stagetrace-contrib": "contrib path", "stagetrace": "FastAPI's own telemetry"}
+MODES = ("verdict", "exported")
+FRAME = 20  # messages a frame, about what the helper thread ships at once under load
+
+
+def record(variant: str, requests: int, path: str) -> None:
+    """The messages the exporter receives for ``requests`` requests to the e2e endpoint, pickled to ``path``."""
+    os.environ.update(STAGETRACE_EXPORT_PROCESS="off", OTEL_TRACES_EXPORTER="none", OTEL_METRICS_EXPORTER="none")
+    import e2e
+    from fastapi.testclient import TestClient
+
+    from stagetrace import configuration
+    from stagetrace.exporter.core import ExporterCore
+
+    received: list[Any] = []
+    handle = ExporterCore.handle
+
+    def recording(self: ExporterCore, msg: Any) -> None:
+        received.append(msg)
+        handle(self, msg)
+
+    ExporterCore.handle = recording  # type: ignore[method-assign]
+    app = e2e.make_app(variant, "gil-free")
+    with TestClient(app) as client:
+        for _ in range(requests):
+            client.get("/predict")
+    current = configuration._current_handle
+    if current is not None:
+        current.shutdown()
+    with open(path, "wb") as f:
+        pickle.dump(received, f)
+
+
+def replay(path: str, mode: str, passes: int, rounds: int = 1) -> list[float]:
+    """CPU seconds a trace, per round, of ``passes`` passes over the recorded messages."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.resources import Resource
+
+    from stagetrace.analysis import DiagnosisThresholds
+    from stagetrace.common import wire
+    from stagetrace.exporter.aggregation import AggregatedMetrics
+    from stagetrace.exporter.core import ExporterCore
+    from stagetrace.exporter.otlp_encoding import TraceRequestEncoder
+    from stagetrace.exporter.outputs import LocalOutputs
+    from stagetrace.settings import Settings
+
+    with open(path, "rb") as f:
+        messages = pickle.load(f)
+    if mode == "verdict":
+        settings = Settings(healthy_sample=0.0, thresholds=DiagnosisThresholds.silent(), slow_threshold_ms=1e9)
+    else:
+        settings = Settings(healthy_sample=1.0, export_budget_per_s=None)
+    resource = Resource.create({"service.name": "bench"})
+    metrics = AggregatedMetrics(resource, settings.max_stage_names)
+    reader = InMemoryMetricReader()
+    MeterProvider(metric_readers=[reader], resource=resource, shutdown_on_exit=False)
+    metrics.attach_readers([reader])
+    encoder = TraceRequestEncoder(resource.attributes)
+
+    class EncodingSink:
+        spans = 0
+
+        def export(self, spans: Any) -> None:
+            self.spans += len(spans)
+            encoder.encode(spans)
+
+        def flush(self, timeout_s: float) -> bool:
+            return True
+
+    sink = EncodingSink()
+    core = ExporterCore(settings, LocalOutputs(spans=sink, metrics=metrics))
+    frames = [marshal.dumps(messages[i : i + FRAME]) for i in range(0, len(messages), FRAME)]
+    traces = sum(1 for m in messages if m[0] == wire.TRACE)
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            for frame in frames:
+                for msg in marshal.loads(frame):
+                    core.handle_or_count(msg)
+
+    out = []
+    for _ in range(rounds):
+        t0 = time.process_time()
+        run(passes)
+        out.append((time.process_time() - t0) / (passes * traces))
+    if mode == "exported" and sink.spans == 0:
+        raise SystemExit("exported mode exported nothing")
+    if mode == "verdict" and sink.spans:
+        raise SystemExit("verdict mode exported spans")
+    return out
+
+
+def count_instructions(path: str, mode: str, passes: int) -> int:
+    with tempfile.TemporaryDirectory() as directory:
+        out = os.path.join(directory, "cg.out")
+        command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", f"--log-file={directory}/vg"]
+        command += [sys.executable, os.path.abspath(__file__), "--replay", path, mode, str(passes)]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, PYTHONHASHSEED="0"))
+        with open(out) as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("summary:"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=300, help="requests recorded a variant")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--passes", type=int, default=10, help="passes over the recorded traces a round")
+    ap.add_argument("--instructions", action="store_true", help="count instructions under valgrind instead")
+    ap.add_argument("--reps", type=int, default=2, help="with --instructions: passes of the smaller run")
+    ap.add_argument("--record", nargs=3, metavar=("VARIANT", "REQUESTS", "PATH"), help=argparse.SUPPRESS)
+    ap.add_argument("--replay", nargs=3, metavar=("PATH", "MODE", "PASSES"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.record:
+        record(args.record[0], int(args.record[1]), args.record[2])
+        return 0
+    if args.replay:
+        replay(args.replay[0], args.replay[1], int(args.replay[2]))
+        return 0
+    if args.instructions and shutil.which("valgrind") is None:
+        print("--instructions needs valgrind (apt-get install valgrind)", file=sys.stderr)
+        return 2
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))
+    os.environ["PYTHONPATH"] = env["PYTHONPATH"]
+    unit = "instructions" if args.instructions else "us of CPU"
+    print(f"the exporter's work a trace, {unit} (python {sys.version.split()[0]})")
+    print(f"| variant | {' | '.join(MODES)} | exported over verdict |")
+    print("|---|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as directory:
+        for variant, label in VARIANTS.items():
+            path = os.path.join(directory, f"{variant}.pkl")
+            subprocess.run(
+                [sys.executable, os.path.abspath(__file__), "--record", variant, str(args.requests), path],
+                env=env,
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
+            with open(path, "rb") as f:
+                traces = sum(1 for m in pickle.load(f) if m[0] == "T")
+            figures = {}
+            for mode in MODES:
+                if args.instructions:
+                    small = count_instructions(path, mode, args.reps)
+                    large = count_instructions(path, mode, 2 * args.reps)
+                    figures[mode] = (large - small) / (args.reps * traces)
+                else:
+                    figures[mode] = statistics.median(replay(path, mode, args.passes, args.rounds)) * 1e6
+            fmt = (lambda v: f"{v / 1e3:.0f} k") if args.instructions else (lambda v: f"{v:.1f}")
+            extra = figures["exported"] - figures["verdict"]
+            print(f"| {label} | {fmt(figures['verdict'])} | {fmt(figures['exported'])} | {fmt(extra)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
