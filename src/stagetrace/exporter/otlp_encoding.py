@@ -54,7 +54,8 @@ def _varint(value: int) -> bytes:
 
 
 def _len_field(tag: bytes, payload: bytes) -> bytes:
-    return tag + _varint(len(payload)) + payload
+    n = len(payload)
+    return tag + (_ONE_BYTE[n] if n < 0x80 else _varint(n)) + payload
 
 
 # Tags, by message (opentelemetry/proto/trace/v1/trace.proto, common/v1/common.proto, resource/v1/resource.proto)
@@ -118,7 +119,7 @@ def _any_value(value: Any) -> bytes:
     if isinstance(value, Mapping):
         return _len_field(_ANY_KVLIST, b"".join(_key_value(_KVLIST_VALUE, str(k), v) for k, v in value.items()))
     if isinstance(value, Sequence):
-        return _len_field(_ANY_ARRAY, b"".join(_len_field(_ARRAY_VALUE, _any_value(v)) for v in value))
+        return _len_field(_ANY_ARRAY, b"".join(map(_array_element, value)))
     raise TypeError(f"cannot encode a {kind.__name__} attribute value")
 
 
@@ -141,6 +142,16 @@ class _KeyCodec:
         """The whole ``KeyValue`` field, given its value's ``AnyValue`` fields."""
         body = self.key_then_value + _varint(len(any_value)) + any_value
         return self.tag + _varint(len(body)) + body
+
+
+# An array element holding a double: ArrayValue.values' tag, length 9, the AnyValue's double tag.
+_DOUBLE_ELEMENT = _ARRAY_VALUE + b"\x09" + _ANY_DOUBLE
+
+
+def _array_element(value: Any) -> bytes:
+    if type(value) is float:
+        return _DOUBLE_ELEMENT + _pack_double(value)
+    return _len_field(_ARRAY_VALUE, _any_value(value))
 
 
 _CODECS: dict[tuple[bytes, str], _KeyCodec] = {}  # by (tag, key)
@@ -173,7 +184,7 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> list[bytes]
     if not attributes:
         return []
     out = []
-    codecs, varint = _CODECS, _varint
+    codecs, varint, one_byte = _CODECS, _varint, _ONE_BYTE  # (a one-byte length is looked up)
     for key, value in attributes.items():
         codec = codecs.get((tag, key)) or _codec(tag, key)
         kind = type(value)
@@ -186,15 +197,18 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> list[bytes]
         try:
             if kind is str:
                 text = value.encode("utf-8")
-                any_value = _ANY_STRING + varint(len(text)) + text
+                n = len(text)
+                any_value = _ANY_STRING + (one_byte[n] if n < 0x80 else varint(n)) + text
             elif kind is int:
                 any_value = _ANY_INT + varint(value)
             else:
                 any_value = _any_value(value)
         except (TypeError, ValueError, UnicodeError):
             continue
-        body = codec.key_then_value + varint(len(any_value)) + any_value
-        out.append(tag + varint(len(body)) + body)
+        n = len(any_value)
+        body = codec.key_then_value + (one_byte[n] if n < 0x80 else varint(n)) + any_value
+        n = len(body)
+        out.append(tag + (one_byte[n] if n < 0x80 else varint(n)) + body)
     return out
 
 
