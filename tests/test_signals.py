@@ -421,3 +421,46 @@ def test_a_sampler_beside_a_thread_holding_the_gil_reads_the_run_queue_at_most_w
         holder.join(5)
     # every wake-up waited a switch interval for the GIL, so each read the total for the next
     assert wakes >= 30 and sampler.process_reads >= 0.8 * wakes
+
+
+def test_a_slow_reading_of_the_run_queue_does_not_make_the_next_wake_up_read_again(monkeypatch):
+    """On a fake clock: every wake-up on time, no run-queue wait, and a reading of the other threads that
+    takes 3 ms (forty threads read cold). Its time is in the next lag; it must not count as a wait."""
+    from stagetrace.capture import monitors
+
+    clock = {"ns": 10**12}
+    period_s = 0.01
+    sampler = monitors.GilPressureMonitor(period_s, in_flight=lambda: 1)
+
+    class FakeCpu:
+        schedstat, _pread = True, object()
+
+        def run_queue_ns(self) -> int:
+            return 0
+
+    class FakeProcess:
+        available = True
+
+        def __init__(self, tid: int) -> None:
+            pass
+
+        def total_ms(self) -> float:
+            clock["ns"] += 3_000_000
+            return 0.0
+
+        def close(self) -> None:
+            pass
+
+    def sleep(seconds: float) -> None:
+        clock["ns"] += int(seconds * 1e9)
+        if len(sampler.series._items) >= 40:
+            sampler.stop()
+
+    monkeypatch.setattr(monitors, "CpuSignals", FakeCpu)
+    monkeypatch.setattr(monitors, "ProcessRunQueue", FakeProcess)
+    monkeypatch.setattr(monitors, "_perf_ns", lambda: clock["ns"])
+    monkeypatch.setattr(monitors, "_sleep", sleep)
+    sampler._run()  # on this thread, until 40 wake-ups
+    wakes = len(sampler.series.drain())
+    assert wakes >= 40
+    assert sampler.process_reads == len(range(0, wakes, monitors.PROCESS_READ_EVERY))  # the first, every fifth

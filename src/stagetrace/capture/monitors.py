@@ -24,6 +24,7 @@ from stagetrace.capture.cpu import CpuSignals, ProcessRunQueue
 from stagetrace.common.schedstat import loop_held_ms
 
 _perf_ns = time.perf_counter_ns
+_sleep = time.sleep  # (module-level, so that a test can run the GIL monitor on a fake clock)
 IDLE_CHECK_S = 1.0  # an idle sampler looks again this often even unwoken (a missed wake costs at most this)
 # The process's run-queue total is read at every wake-up that follows one which waited (for the GIL or a CPU)
 # at least this long, and at least every PROCESS_READ_EVERY wake-ups otherwise: one read per thread, most of a
@@ -148,10 +149,13 @@ class GilPressureMonitor:
             if not t0:
                 rq0 = run_queue() if run_queue else 0
                 t0 = _perf_ns()
+            read_ns = 0
             if process_total is not None and schedule.due():
+                read_start = _perf_ns()
                 self.process_run_queue.add(process_total())
+                read_ns = _perf_ns() - read_start
                 self.process_reads += 1
-            time.sleep(period)
+            _sleep(period)
             t1 = _perf_ns()
             lag_ns = t1 - t0 - period * 1e9
             rq_ns = 0
@@ -166,7 +170,8 @@ class GilPressureMonitor:
             t0 = t1
             self.series.add(max(0.0, lag_ns / 1e6))
             self.last_wake_ns = time.time_ns()
-            schedule.woke(lag_ns, rq_ns)
+            # (the reading's own time is in this lag, and must not make the next wake-up read again)
+            schedule.woke(lag_ns - read_ns, rq_ns)
         self._process = None
         if process is not None:
             process.close()
