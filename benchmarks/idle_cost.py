@@ -3,7 +3,8 @@
     python benchmarks/idle_cost.py [--seconds 10]
 
 Each variant in a fresh application process, side by side: ``configure()``, then ``--seconds`` with nothing
-to do (idle) or with one trace held open the whole time (a request in flight: the samplers run). Per
+to do (idle) or with one trace held open the whole time (a request in flight: the samplers run), alone or beside
+40 idle threads (what the GIL monitor reads grows with the threads: a thread pool after a burst). Per
 second: the process's CPU time (``time.process_time``, every thread) and the GIL monitor thread's wake-ups (its
 schedstat's count of times scheduled in, ``/proc/self/task/<tid>/schedstat``).
 """
@@ -21,6 +22,10 @@ _CHILD = """
 import json, os, sys, time
 import stagetrace
 seconds, in_flight, period = float(sys.argv[1]), sys.argv[2] == "1", float(sys.argv[3])
+import threading
+parked = threading.Event()
+for _ in range(int(sys.argv[5])):  # idle threads, as a thread pool keeps them after a burst
+    threading.Thread(target=parked.wait, daemon=True).start()
 h = stagetrace.configure("idle", traces_path=sys.argv[4], settings=stagetrace.Settings(gil_sampler_period_s=period))
 time.sleep(1.0)  # the exporter started, the threads settled
 
@@ -47,11 +52,12 @@ h.shutdown()
 print(json.dumps({"cpu_ms_per_s": (c1 - c0) * 1e3 / seconds, "wakeups_per_s": (w1 - w0) / seconds}))
 """
 
-VARIANTS = {
-    "GIL monitor off (gil_sampler_period_s=0)": ("0", "0"),
-    "default, idle (no trace in flight)": ("0", "0.01"),
-    "GIL monitor off, one trace in flight all along": ("1", "0"),
-    "default, one trace in flight all along": ("1", "0.01"),
+VARIANTS = {  # (a trace in flight, the GIL monitor's period, idle threads beside)
+    "GIL monitor off (gil_sampler_period_s=0)": ("0", "0", "0"),
+    "default, idle (no trace in flight)": ("0", "0.01", "0"),
+    "GIL monitor off, one trace in flight all along": ("1", "0", "0"),
+    "default, one trace in flight all along": ("1", "0.01", "0"),
+    "default, one trace in flight, 40 idle threads beside (a thread pool after a burst)": ("1", "0.01", "40"),
 }
 
 
@@ -64,9 +70,9 @@ def main() -> None:
     print("| variant | application CPU ms/s | GIL monitor wake-ups /s |")
     print("|---|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (in_flight, period) in VARIANTS.items():
+        for name, (in_flight, period, threads) in VARIANTS.items():
             out = subprocess.run(
-                [sys.executable, "-c", _CHILD, str(args.seconds), in_flight, period, os.path.join(tmp, "t.jsonl")],
+                [sys.executable, "-c", _CHILD, str(args.seconds), in_flight, period, f"{tmp}/t.jsonl", threads],
                 env=env,
                 capture_output=True,
                 text=True,
