@@ -169,7 +169,7 @@ def _measured(fn):
     after, end_ns = cpu.read(), time.perf_counter_ns()
     stage = SimpleNamespace(
         cpu_start=before, cpu_end=after, start_ns=start_ns, end_ns=end_ns, wall_ms=(end_ns - start_ns) / 1e6,
-        cpu_ms=None, runqueue_ms=None, blocked_ms=None, not_gil_ms=None,
+        compressed=None, cpu_ms=None, runqueue_ms=None, blocked_ms=None, not_gil_ms=None,
     )  # fmt: skip
     bound_s = gil_wait_stretch_bound_s()
     resolve_cpu(stage, None if bound_s is None else bound_s * 1e3)
