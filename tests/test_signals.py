@@ -100,6 +100,9 @@ def test_the_other_threads_run_queue_is_read_between_wake_ups_that_bracket_the_s
     unresolved = SimpleNamespace(start_ns=5 * MS, end_ns=15 * MS, blocked_ms=None, others_runqueue_ms=None)
     resolve_others_runqueue(unresolved, total, offset_ns=1000 * MS)  # no CPU figures: nothing to bound
     assert unresolved.others_runqueue_ms is None
+    running = SimpleNamespace(start_ns=5 * MS, end_ns=15 * MS, blocked_ms=0.0, runqueue_ms=0.0, others_runqueue_ms=None)
+    resolve_others_runqueue(running, total, offset_ns=1000 * MS)  # never blocked: no blocked time to bound
+    assert running.others_runqueue_ms is None
 
 
 def test_the_process_run_queue_total_grows_with_every_thread_but_the_one_reading_it():

@@ -64,7 +64,7 @@ def resolve_others_runqueue(stage: Any, series: LagSeries, offset_ns: int) -> No
     """Set a blocked stage's ``others_runqueue_ms``: the process's other threads' run-queue wait from the
     GIL monitor's last wake-up before the stage to its first one after (so never less than over the stage
     itself), less the stage's own. Left None when no wake-up brackets the stage."""
-    if stage.blocked_ms is None or not len(series):
+    if not stage.blocked_ms or not len(series):  # blocked stages only: the bound is of blocked time
         return
     total = cumulative_change(series, stage.start_ns + offset_ns, stage.end_ns + offset_ns)
     if total is not None:
