@@ -279,3 +279,52 @@ def test_native_is_refused_where_fastapi_has_no_telemetry_of_its_own(monkeypatch
     monkeypatch.setattr("stagetrace.integrations.fastapi.fastapi_telemetry_config", lambda app: None)
     with pytest.raises(RuntimeError, match=r"needs FastAPI 0\.142 or later"):
         stagetrace.instrument_fastapi(FastAPI(), telemetry="native")
+
+
+def test_the_frameworks_own_http_metrics_reach_a_metric_reader_in_the_application(harness, telemetry):
+    """With a reader in the application, the instrumentation's own HTTP server metrics (FastAPI's or the
+    contrib middleware's) reach it beside stagetrace's."""
+    app = stagetrace.instrument_fastapi(make_app(), telemetry=telemetry)
+    (resp,) = call(app, "/sync")
+    assert resp.status_code == 200
+    harness.flush()
+    data = harness.reader.get_metrics_data()
+    names = {m.name for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    assert c.METRIC_TRACE_DURATION in names
+    assert any(n.startswith("http.server.") for n in names), names
+
+
+def test_without_a_metric_reader_in_the_application_no_measurement_is_built(monkeypatch, telemetry):
+    """Nothing in the application reads metrics (they are the exporter process's, or off): stagetrace builds
+    no SDK MeterProvider there, which would build and clean a measurement for every record another
+    instrumentation makes and throw it away; the global provider stays the user's to set."""
+    from opentelemetry.metrics import _internal as metrics_internal
+    from opentelemetry.sdk.metrics._internal import measurement
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.util._once import Once
+
+    monkeypatch.delenv("OTEL_METRICS_EXPORTER", raising=False)
+    # this process's global meter provider as a fresh one has it: the API's placeholder, not yet set
+    monkeypatch.setattr(metrics_internal, "_METER_PROVIDER", None)
+    monkeypatch.setattr(metrics_internal, "_METER_PROVIDER_SET_ONCE", Once())
+    built = []
+    original = measurement.Measurement.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(1)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(measurement.Measurement, "__init__", counting)
+    exporter = InMemorySpanExporter()
+    handle = stagetrace.configure("no-reader", span_exporter=exporter)  # set_global: the default
+    try:
+        assert handle.meter_provider is None
+        assert stagetrace._compat.meter_provider_is_unset()
+        app = stagetrace.instrument_fastapi(make_app(), telemetry=telemetry)
+        (resp,) = call(app, "/sync")
+        assert resp.status_code == 200
+        assert handle.force_flush(10)
+        assert {s.name for s in exporter.get_finished_spans()} >= {"work", "GET /sync"}
+        assert built == []
+    finally:
+        handle.shutdown()

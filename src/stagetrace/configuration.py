@@ -107,11 +107,10 @@ class StagetraceHandle:
         else:
             provider, meters = self.tracer_provider, self.meter_provider
             assert provider is not None  # a handle that owns its providers has them
-            shutdown_within(
-                deadline_s,
-                [provider.shutdown, lambda: meters.shutdown(timeout_millis=int(deadline_s * 1000))],
-                [e.shutdown for e in self._exporters],
-            )
+            steps: list[Callable[[], Any]] = [provider.shutdown]
+            if meters is not None:
+                steps.append(lambda: meters.shutdown(timeout_millis=int(deadline_s * 1000)))
+            shutdown_within(deadline_s, steps, [e.shutdown for e in self._exporters])
         with _lock:
             if _current_handle is self:
                 _current_handle = None
@@ -180,7 +179,15 @@ def configure(
         sampler=LocalRootRecordingSampler(sampler or sampler_from_env()),
         shutdown_on_exit=False,
     )
-    meter_provider = MeterProvider(metric_readers=plan.app_readers, resource=resource, shutdown_on_exit=False)
+    # Only where a reader lives in the application: a MeterProvider without one would still build and clean a
+    # measurement for every record another instrumentation makes (the contrib ASGI middleware: four a
+    # request) and throw it away. Without one, instrumentations use the global provider, which the user may
+    # still set.
+    meter_provider = (
+        MeterProvider(metric_readers=plan.app_readers, resource=resource, shutdown_on_exit=False)
+        if plan.app_readers
+        else None
+    )
 
     def exporter_config() -> dict[str, Any]:
         return _exporter_config(
@@ -403,13 +410,13 @@ def _replace_handle(handle: StagetraceHandle | None) -> None:
         previous.shutdown()
 
 
-def _set_globals(tracer_provider: TracerProvider, meter_provider: MeterProvider) -> None:
+def _set_globals(tracer_provider: TracerProvider, meter_provider: MeterProvider | None) -> None:
     """Install as the global providers unless something else already is (OpenTelemetry allows it once)."""
     if isinstance(trace_api.get_tracer_provider(), trace_api.ProxyTracerProvider):
         trace_api.set_tracer_provider(tracer_provider)
     else:
         logger.debug("stagetrace: a global TracerProvider is already set; stagetrace uses its own")
-    if meter_provider_is_unset():
+    if meter_provider is not None and meter_provider_is_unset():
         metrics_api.set_meter_provider(meter_provider)
 
 
