@@ -166,6 +166,18 @@ def test_a_value_the_sdk_cannot_encode_is_left_out_as_the_sdk_leaves_it_out():
     assert [kv.key for kv in encoded.attributes] == ["kept"]
 
 
+def test_a_key_or_value_that_is_not_utf8_is_left_out_and_the_rest_encoded():
+    span = wire.check_span(wire.pack_span(sdk_spans(lambda p: p.get_tracer("x").start_span("s").end())[0]))
+    attributes = {"kept": 1.5, "lone\ud800": 2.0, "text": "a\udfffb", "also": True}
+    odd = wire.replace_span(span, attributes=attributes)
+    message = ExportTraceServiceRequest.FromString(TraceRequestEncoder(RESOURCE).encode([odd]))
+    (encoded,) = message.resource_spans[0].scope_spans[0].spans
+    assert [(kv.key, kv.value.WhichOneof("value")) for kv in encoded.attributes] == [
+        ("kept", "double_value"),
+        ("also", "bool_value"),
+    ]
+
+
 # --- the sink -----------------------------------------------------------------------------------------------
 
 

@@ -186,15 +186,15 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> list[bytes]
     out = []
     codecs, varint, one_byte = _CODECS, _varint, _ONE_BYTE  # (a one-byte length is looked up)
     for key, value in attributes.items():
-        codec = codecs.get((tag, key)) or _codec(tag, key)
-        kind = type(value)
-        if kind is float:
-            out.append(codec.double_prefix + _pack_double(value))
-            continue
-        if kind is bool:
-            out.append(codec.true if value else codec.false)
-            continue
         try:
+            codec = codecs.get((tag, key)) or _codec(tag, key)
+            kind = type(value)
+            if kind is float:
+                out.append(codec.double_prefix + _pack_double(value))
+                continue
+            if kind is bool:
+                out.append(codec.true if value else codec.false)
+                continue
             if kind is str:
                 text = value.encode("utf-8")
                 n = len(text)
