@@ -140,8 +140,10 @@ class _KeyCodec:
 
     def field(self, any_value: bytes) -> bytes:
         """The whole ``KeyValue`` field, given its value's ``AnyValue`` fields."""
-        body = self.key_then_value + _varint(len(any_value)) + any_value
-        return self.tag + _varint(len(body)) + body
+        n = len(any_value)
+        body = self.key_then_value + (_ONE_BYTE[n] if n < 0x80 else _varint(n)) + any_value
+        n = len(body)
+        return self.tag + (_ONE_BYTE[n] if n < 0x80 else _varint(n)) + body
 
 
 # An array element holding a double: ArrayValue.values' tag, length 9, the AnyValue's double tag.
@@ -205,10 +207,7 @@ def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> list[bytes]
                 any_value = _any_value(value)
         except (TypeError, ValueError, UnicodeError):
             continue
-        n = len(any_value)
-        body = codec.key_then_value + (one_byte[n] if n < 0x80 else varint(n)) + any_value
-        n = len(body)
-        out.append(tag + (one_byte[n] if n < 0x80 else varint(n)) + body)
+        out.append(codec.field(any_value))
     return out
 
 
