@@ -18,18 +18,16 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-import stagetrace
-from scenarios import SCENARIOS, Outcome, Scenario, run_once
+from scenarios import SCENARIOS, Collector, Outcome, Scenario, run_once
 from stagetrace import conventions as c
 from stagetrace.analysis import Verdict
-from stagetrace.report.loader import Span, read_traces
+from stagetrace.report.loader import Span
 
 
 def cuda_available() -> bool:
@@ -41,43 +39,16 @@ def cuda_available() -> bool:
         return False
 
 
-class Collector:
-    """A configured stagetrace whose verdicts are kept for the run in progress. Spans leave the application as
-    a deployed service's do: the exporter process writes them (here to a scratch JSON lines file, read back
-    only to explain a misread verdict), so the server under test spends none of its GIL building spans for
-    an in-process exporter."""
-
-    def __init__(self, traces_path: Path) -> None:
-        self.verdicts: list[Verdict] = []
-        self.traces_path = traces_path
-        self.handle = stagetrace.configure(
-            "diagnosis-accuracy", traces_path=traces_path, set_global=False, on_verdict=self.verdicts.append
-        )
-
-    def wait(self, n: int, timeout_s: float = 30.0) -> list[Verdict]:
-        deadline = time.monotonic() + timeout_s
-        while len(self.verdicts) < n and time.monotonic() < deadline:
-            self.handle.force_flush(1)
-            time.sleep(0.01)
-        return list(self.verdicts)
-
-    def spans(self) -> list[Span]:
-        """The run's exported spans (after ``handle.shutdown()``)."""
-        out: list[Span] = []
-        read_traces([self.traces_path], out.extend, errors=sys.stderr)
-        return out
-
-
 def run_scenario(scenario: Scenario, runs: int) -> tuple[list[Outcome], list[str]]:
     """The outcomes, and an explanation of every misread verdict."""
     outcomes, explained = [], []
     for _ in range(runs):
         with tempfile.TemporaryDirectory(prefix="stagetrace-accuracy-") as scratch:
-            collector = Collector(Path(scratch) / "traces.jsonl")
+            collector = Collector(Path(scratch) / "traces.jsonl", service="diagnosis-accuracy")
             try:
-                outcome = run_once(scenario, collector.wait)
+                outcome = run_once(scenario, collector.wait_verdicts)
             finally:
-                collector.handle.shutdown()
+                collector.shutdown()
             outcomes.append(outcome)
             if outcome.misread:
                 spans = collector.spans()

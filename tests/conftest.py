@@ -16,6 +16,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import stagetrace
+from scenarios.collect import Collector
 from stagetrace.analysis import DiagnosisThresholds, Verdict
 
 # The load harness and the helpers tests and benchmarks share (free_port, ...) live in benchmarks/harness.py.
@@ -209,6 +210,16 @@ def harness() -> Iterator[Harness]:
     h = Harness()
     yield h
     h.handle.shutdown()
+
+
+@pytest.fixture
+def collector(tmp_path: Path) -> Iterator[Collector]:
+    """For scenarios of the CPU-side rules: spans leave the server's process as a deployed service's do, through
+    the exporter process to a file (``scenarios.collect``), so that no span is built on the server's GIL
+    beside the scenario's cause; verdicts come back (``collector.verdicts``)."""
+    made = Collector(tmp_path / "traces.jsonl")
+    yield made
+    made.shutdown()
 
 
 @pytest.fixture

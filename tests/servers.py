@@ -74,7 +74,7 @@ def settle_heap() -> None:
     gc.collect()
 
 
-def run_scenario(harness: Any, app: Any, path: str, n: int, concurrency: int) -> list:
+def run_scenario(collector: Any, app: Any, path: str, n: int, concurrency: int) -> list:
     """``app`` instrumented and served, ``n`` requests to ``path`` from ``concurrency`` clients at a time; the
     verdicts of those requests."""
     settle_heap()
@@ -82,7 +82,7 @@ def run_scenario(harness: Any, app: Any, path: str, n: int, concurrency: int) ->
     with serve(app) as base:
         statuses = hit(base, path, n, concurrency)
     assert statuses == [200] * n
-    harness.wait_verdicts(n)
-    verdicts = [v for v in harness.verdicts if v.route == path]
+    collector.wait_verdicts(n)
+    verdicts = [v for v in collector.verdicts if v.route == path]
     assert len(verdicts) == n, f"{len(verdicts)} verdicts for {n} requests"
     return verdicts

@@ -24,8 +24,8 @@ def marks(scenario):
 
 
 @pytest.mark.parametrize("scenario", [pytest.param(s, id=s.name, marks=marks(s)) for s in SCENARIOS])
-def test_scenario(spare_cpus, harness, scenario):  # the host is checked before the harness starts its exporter
-    outcome = run_once(scenario, harness.wait_verdicts)
+def test_scenario(spare_cpus, collector, scenario):  # the host is checked before the collector starts its exporter
+    outcome = run_once(scenario, collector.wait_verdicts)
     assert outcome.verdicts == scenario.requests
     if scenario.rule is None:
         assert outcome.lived == 0 and outcome.twin_fired == 0, outcome  # its counterpart's rule stays silent

@@ -7,7 +7,8 @@ the requests that lived its cause, and how often a wrong code fired at all).
 
 from __future__ import annotations
 
+from scenarios.collect import Collector
 from scenarios.corpus import SCENARIOS, Scenario, Workload
 from scenarios.run import Outcome, run_once
 
-__all__ = ["SCENARIOS", "Outcome", "Scenario", "Workload", "run_once"]
+__all__ = ["SCENARIOS", "Collector", "Outcome", "Scenario", "Workload", "run_once"]

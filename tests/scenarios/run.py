@@ -51,7 +51,7 @@ def judge(scenario: Scenario, verdicts: Sequence[Verdict]) -> Outcome:
 
 def run_once(scenario: Scenario, verdicts: Callable[[int], list[Verdict]]) -> Outcome:
     """``verdicts(n)``: waits for and returns the configured stagetrace's first ``n`` verdicts of this run, in
-    the order they came (the caller configured it; the test suite's harness, or the benchmark's own)."""
+    the order they came (the caller configured it: a ``scenarios.Collector``, as the suite and the benchmark do)."""
     gc.collect()  # a full collection during a run is a real stall: start each from a collected heap
     workload = scenario.build()
     stagetrace.instrument_fastapi(workload.app)
