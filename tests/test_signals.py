@@ -3,6 +3,7 @@ lag a request reports is the stall it lived through, not a neighbour's."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import threading
@@ -83,8 +84,8 @@ def test_one_wake_up_held_back_a_whole_switch_interval_is_a_measurement_of_conte
     assert sampler_mean_ms(quick, 1000 * MS, 1020 * MS, period_s=0.010, proof_ms=5.0) is None
 
 
-def test_the_other_threads_run_queue_is_read_between_wake_ups_that_bracket_the_stage():
-    from stagetrace.exporter.signals import cumulative_change, resolve_others_runqueue
+def test_the_other_threads_totals_are_read_between_readings_that_bracket_the_stage():
+    from stagetrace.exporter.signals import cumulative_change, resolve_others
 
     total = series((1000, 10.0), (1010, 12.0), (1020, 15.0), (1030, 21.0))  # cumulative ms
     assert cumulative_change(total, 1005 * MS, 1015 * MS) == 5.0  # 1000 -> 1020: never less than inside
@@ -94,29 +95,39 @@ def test_the_other_threads_run_queue_is_read_between_wake_ups_that_bracket_the_s
 
     from types import SimpleNamespace
 
-    stage = SimpleNamespace(start_ns=5 * MS, end_ns=15 * MS, blocked_ms=6.0, runqueue_ms=1.5, others_runqueue_ms=None)
-    resolve_others_runqueue(stage, total, offset_ns=1000 * MS)  # the stage's own 1.5 ms is not another's
-    assert stage.others_runqueue_ms == 3.5
-    unresolved = SimpleNamespace(start_ns=5 * MS, end_ns=15 * MS, blocked_ms=None, others_runqueue_ms=None)
-    resolve_others_runqueue(unresolved, total, offset_ns=1000 * MS)  # no CPU figures: nothing to bound
-    assert unresolved.others_runqueue_ms is None
-    running = SimpleNamespace(start_ns=5 * MS, end_ns=15 * MS, blocked_ms=0.0, runqueue_ms=0.0, others_runqueue_ms=None)
-    resolve_others_runqueue(running, total, offset_ns=1000 * MS)  # never blocked: no blocked time to bound
-    assert running.others_runqueue_ms is None
+    cpu = series((1000, 100.0), (1020, 112.0))
+
+    def stage(**fields):
+        return SimpleNamespace(
+            **{"start_ns": 5 * MS, "end_ns": 15 * MS, **fields}, others_runqueue_ms=None, others_cpu_ms=None
+        )
+
+    blocked = stage(blocked_ms=6.0, runqueue_ms=1.5, cpu_ms=4.0)
+    resolve_others(blocked, total, cpu, offset_ns=1000 * MS)  # the stage's own 1.5 ms and 4 ms are not another's
+    assert blocked.others_runqueue_ms == 3.5 and blocked.others_cpu_ms == 8.0
+    late = stage(blocked_ms=6.0, runqueue_ms=0.0, cpu_ms=4.0, start_ns=25 * MS, end_ns=28 * MS)
+    resolve_others(late, total, cpu, offset_ns=1000 * MS)  # the CPU total has no reading after it yet
+    assert late.others_runqueue_ms == 6.0 and late.others_cpu_ms is None
+    unresolved = stage(blocked_ms=None)
+    resolve_others(unresolved, total, cpu, offset_ns=1000 * MS)  # no CPU figures: nothing to bound
+    assert unresolved.others_runqueue_ms is None and unresolved.others_cpu_ms is None
+    running = stage(blocked_ms=0.0, runqueue_ms=0.0, cpu_ms=10.0)
+    resolve_others(running, total, cpu, offset_ns=1000 * MS)  # never blocked: no blocked time to bound
+    assert running.others_runqueue_ms is None and running.others_cpu_ms is None
 
 
-def test_the_process_run_queue_total_grows_with_every_thread_but_the_one_reading_it():
-    """Real threads on this host: the total counts their run-queue waits (and a thread's first reading its
-    whole past), never shrinks when one exits, and leaves out the sampler's own thread."""
+def test_the_process_totals_grow_with_every_thread_on_real_threads():
+    """Real threads on this host: spinning threads, more than the CPUs, add to both totals; the reader's own
+    on-CPU time counts too; closing forgets every thread."""
     import threading
 
-    from stagetrace.capture.cpu import ProcessRunQueue
+    from stagetrace.capture.cpu import ProcessSchedTotals
 
     if not os.path.exists("/proc/thread-self/schedstat"):
         pytest.skip("needs Linux schedstat")
-    reader = ProcessRunQueue(threading.get_native_id(), relist_every=1)
+    reader = ProcessSchedTotals(threading.get_native_id(), relist_every=1)
     assert reader.available
-    before = reader.total_ms()
+    rq_before, cpu_before = reader.totals_ms()
     stop = threading.Event()
 
     def spin() -> None:
@@ -128,16 +139,80 @@ def test_the_process_run_queue_total_grows_with_every_thread_but_the_one_reading
         t.start()
     try:
         time.sleep(0.3)  # more runnable threads than CPUs: they queue
-        during = reader.total_ms()
+        rq_during, cpu_during = reader.totals_ms()
     finally:
         stop.set()
         for t in threads:
             t.join()
-    after = reader.total_ms()
-    assert during > before and after >= during
-    assert all(tid != threading.get_native_id() for tid in reader._fds)
+    own = time.thread_time()
+    while time.thread_time() - own < 0.05:  # the reader's own work
+        pass
+    rq_after, cpu_after = reader.totals_ms()
+    assert rq_during > rq_before and rq_after >= rq_during
+    assert cpu_during > cpu_before and cpu_after - cpu_during >= 40.0
     reader.close()
     assert reader._fds == {}
+
+
+def test_a_thread_started_between_two_readings_is_in_the_second():
+    """A worker started for a request runs its stage at once: its CPU must be in the reading after it, or
+    the stage's own CPU would be missing from the total the other threads' time is taken from."""
+    from stagetrace.capture.cpu import ProcessSchedTotals
+
+    if not os.path.exists("/proc/thread-self/schedstat"):
+        pytest.skip("needs Linux schedstat")
+    reader = ProcessSchedTotals(threading.get_native_id(), relist_every=1000)
+    _, before = reader.totals_ms()
+    done, stop = threading.Event(), threading.Event()
+
+    def work() -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < 0.05:
+            pass
+        done.set()
+        stop.wait(10)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    try:
+        assert done.wait(10)
+        _, after = reader.totals_ms()
+    finally:
+        stop.set()
+        worker.join()
+    assert after - before >= 45.0
+    reader.close()
+
+
+def test_the_process_totals_count_each_change_once_and_leave_out_the_readers_run_queue(monkeypatch):
+    """On faked schedstat files (on-CPU ns, run-queue ns, slices): a thread's first reading counts its whole
+    past, later ones their growth; a thread that went drops out without taking anything back; the reader's
+    run-queue wait is its own signal, not another thread's."""
+    from stagetrace.capture import cpu as cpu_module
+
+    files = {11: b"5000000 1000000 3\n", 22: b"2000000 4000000 7\n"}  # 11 reads; 22 is another thread
+    reader = cpu_module.ProcessSchedTotals(11, relist_every=1)
+
+    def relist() -> None:
+        reader._fds = {tid: tid for tid in files}
+        for tid in set(reader._last) - set(files):
+            reader._last.pop(tid)
+
+    def pread(fd, buf, size, offset):
+        raw = files[fd]
+        ctypes.memmove(buf, raw, len(raw))
+        return len(raw)
+
+    monkeypatch.setattr(reader, "_relist", relist)
+    reader._pread = pread
+    assert reader.totals_ms() == (4.0, 7.0)  # whole pasts: 22's run-queue, both threads' on-CPU
+    files[11], files[22] = b"9000000 3000000 4\n", b"2500000 6000000 8\n"
+    assert reader.totals_ms() == (6.0, 11.5)  # +2 ms queued (22's), +4 and +0.5 ms on-CPU
+    del files[22]
+    files[11] = b"9500000 3000000 5\n"
+    assert reader.totals_ms() == (6.0, 12.0)  # 22 went: its count stays, nothing more from it
+    files[22] = b"bad"  # an unreadable file is dropped, never an error
+    assert reader.totals_ms() == (6.0, 12.0)
 
 
 # --- how much of a stage's blocked time was provably not the GIL ------------------------------------------
@@ -361,8 +436,10 @@ def test_the_gil_sampler_covers_a_trace_once_it_woke_after_its_end_or_went_idle(
             time.sleep(0.005)
         assert sampler.covers(closed)  # gone idle: every trace that ended before then is covered
         before = len(sampler.process_run_queue.drain())
-        sampler.note_run_queues()  # the helper thread's own reading, before it ships
+        assert len(sampler.process_cpu.drain()) == before
+        sampler.note_process_totals()  # the helper thread's own reading, before it ships
         assert len(sampler.process_run_queue.drain()) == 1 and before >= 1
+        assert len(sampler.process_cpu.drain()) == 1
     finally:
         sampler.stop()
     deadline = time.monotonic() + 5
@@ -447,9 +524,9 @@ def test_a_slow_reading_of_the_run_queue_does_not_make_the_next_wake_up_read_aga
         def __init__(self, tid: int) -> None:
             pass
 
-        def total_ms(self) -> float:
+        def totals_ms(self) -> tuple[float, float]:
             clock["ns"] += 3_000_000
-            return 0.0
+            return 0.0, 0.0
 
         def close(self) -> None:
             pass
@@ -460,7 +537,7 @@ def test_a_slow_reading_of_the_run_queue_does_not_make_the_next_wake_up_read_aga
             sampler.stop()
 
     monkeypatch.setattr(monitors, "CpuSignals", FakeCpu)
-    monkeypatch.setattr(monitors, "ProcessRunQueue", FakeProcess)
+    monkeypatch.setattr(monitors, "ProcessSchedTotals", FakeProcess)
     monkeypatch.setattr(monitors, "_perf_ns", lambda: clock["ns"])
     monkeypatch.setattr(monitors, "_sleep", sleep)
     sampler._run()  # on this thread, until 40 wake-ups

@@ -13,6 +13,9 @@ NOT_GIL_MS = "stagetrace.blocked.not_gil_ms"  # of blocked_ms, at least this muc
 # while the stage ran, the run-queue wait of the process's other threads: the most of blocked_ms that preempted GIL
 # holders (or the GIL handed to a thread still queued for a CPU) can explain
 OTHERS_RUNQUEUE_MS = "stagetrace.blocked.others_runqueue_ms"
+# while the stage ran, the on-CPU time of the process's other threads: with their run-queue wait, the most of
+# blocked_ms that waits for the GIL can explain (only a thread on a CPU or queued for one holds the GIL)
+OTHERS_CPU_MS = "stagetrace.blocked.others_cpu_ms"
 ON_EVENT_LOOP = "stagetrace.on_event_loop"
 GPU_DURATION_MS = "stagetrace.gpu.duration_ms"
 GPU_UTILIZATION = "stagetrace.gpu.utilization"
@@ -114,6 +117,7 @@ STAGE_SIGNALS: tuple[tuple[str, str, type], ...] = (
     ("runqueue_ms", RUNQUEUE_MS, float),
     ("not_gil_ms", NOT_GIL_MS, float),
     ("others_runqueue_ms", OTHERS_RUNQUEUE_MS, float),
+    ("others_cpu_ms", OTHERS_CPU_MS, float),
     ("gpu_ms", GPU_DURATION_MS, float),
     ("h2d_bytes", H2D_BYTES, int),
     ("h2d_pinned", H2D_PINNED, bool),
@@ -225,6 +229,14 @@ ATTRIBUTE_REFERENCE: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         "the run-queue wait of the process's other threads from the GIL monitor's wake-up before the stage to its "
         "first after it, less the stage's own: the most of `blocked_ms` that preempted GIL holders (or the GIL "
         "handed to a thread still queued for a CPU) can explain; blocked sync stages only",
+    ),
+    (
+        OTHERS_CPU_MS,
+        "double",
+        ("stage",),
+        "the on-CPU time of the process's other threads over the same window as `others_runqueue_ms`: with it, the "
+        "most of `blocked_ms` that waits for the GIL can explain (only a thread on a CPU or queued for one holds "
+        "the GIL); blocked sync stages only",
     ),
     (
         NOT_GIL_MS,

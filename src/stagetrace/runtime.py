@@ -25,6 +25,7 @@ from stagetrace.exporter.signals import (
     GIL_SERIES,
     LOOP_HELD_SERIES,
     LOOP_SERIES,
+    PROCESS_CPU_SERIES,
     PROCESS_RUN_QUEUE_SERIES,
     RUN_QUEUE_SERIES,
 )
@@ -88,6 +89,7 @@ class Runtime:
             sources[GIL_SERIES] = self.gil_sampler.series
             sources[RUN_QUEUE_SERIES] = self.gil_sampler.run_queue
             sources[PROCESS_RUN_QUEUE_SERIES] = self.gil_sampler.process_run_queue
+            sources[PROCESS_CPU_SERIES] = self.gil_sampler.process_cpu
         self.loop_blocks = LoopBlockBuffer()
         self.requests_on_loop = self.registry.on_loop
         self.shipper = Shipper(
@@ -97,7 +99,7 @@ class Runtime:
             registry=self.registry,
             signal_sources=sources,
             loop_blocks=self.loop_blocks,
-            before_signals=self.gil_sampler.note_run_queues if self.gil_sampler is not None else None,
+            before_signals=self.gil_sampler.note_process_totals if self.gil_sampler is not None else None,
             signals_cover=self.gil_sampler.covers if self.gil_sampler is not None else None,
         )
         self.processor = StagetraceSpanProcessor(

@@ -66,6 +66,7 @@ def traces(draw):
                 runqueue_ms=draw(ms),
                 not_gil_ms=draw(ms),
                 others_runqueue_ms=draw(ms),
+                others_cpu_ms=draw(ms),
                 on_event_loop=draw(st.booleans()),
                 queue_saturated=draw(st.sampled_from((None, True, False))),
                 h2d_bytes=draw(st.sampled_from((None, 1 << 20))),

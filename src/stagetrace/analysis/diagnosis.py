@@ -25,6 +25,7 @@ from stagetrace.analysis.causes import (
     cpus_to_spare,
     gil_explainable_ms,
     host_out_of_cpus,
+    others_too_idle_for_gil,
     proven_not_gil,
     short_of_cpus,
     waited_for_cpu,
@@ -152,7 +153,14 @@ def off_cpu_wait(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: Diagno
     if s is None:
         return None
     pressure = sig.gil_pressure_ms
-    if not cpus_to_spare(s, sig, th):
+    if others_too_idle_for_gil(s, th):
+        why = (
+            f"at most {gil_explainable_ms(s):.1f} ms of it was for the GIL (the process's other threads ran "
+            f"{s.others_cpu_ms or 0.0:.1f} ms and waited {s.others_runqueue_ms or 0.0:.1f} ms for a CPU meanwhile, "
+            "the only time one of them can hold it), and the rest was a lock or I/O, or the hypervisor of a "
+            "virtual machine taking the CPU, which no run queue shows"
+        )
+    elif not cpus_to_spare(s, sig, th):
         cpu_wait = f", woken threads {sig.cpu_pressure_ms:.1f} ms" if sig.cpu_pressure_ms is not None else ""
         why = (
             f"the host was short of CPUs meanwhile (its own run-queue wait {s.runqueue_ms or 0.0:.1f} ms{cpu_wait}), "

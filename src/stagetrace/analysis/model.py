@@ -101,6 +101,8 @@ class StageLike(Protocol):
     @property
     def others_runqueue_ms(self) -> float | None: ...
     @property
+    def others_cpu_ms(self) -> float | None: ...
+    @property
     def on_event_loop(self) -> bool: ...
     @property
     def h2d_bytes(self) -> int | None: ...
@@ -143,6 +145,7 @@ class StageSample:
     runqueue_ms: float | None = None
     not_gil_ms: float | None = None  # of blocked_ms, at least this much was not a wait for the GIL
     others_runqueue_ms: float | None = None  # the process's other threads' run-queue wait meanwhile
+    others_cpu_ms: float | None = None  # and their on-CPU time
     on_event_loop: bool = False
     h2d_bytes: int | None = None
     h2d_pinned: bool | None = None

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 _SCHEDSTAT = "/proc/thread-self/schedstat"
+_TASKS = "/proc/self/task"
 _perf_ns = time.perf_counter_ns
 
 
@@ -75,56 +76,81 @@ class CpuSignals:
         return holder.buf.raw[:n] if n > 0 else None
 
 
-class ProcessRunQueue:
-    """The run-queue wait of the process's threads, summed, for the GIL monitor's wake-ups.
+class ProcessSchedTotals:
+    """The process's threads' scheduler counts, summed, for the GIL monitor's wake-ups: two bounds on how much
+    of a stage's blocked time waits for the GIL can explain.
 
-    On a host short of CPUs a wait for the GIL can be a wait for a holder the scheduler preempted (or for the
-    thread the GIL was handed to, still in the run queue). Every such stretch is run-queue time of some thread
-    of the process, so the sum over a stage's window bounds how much of its blocked time preemption can
-    explain (``exporter.signals.others_runqueue_ms``). The total only grows: each thread's positive change is
-    added, a new thread's whole past counted once (too much, never too little), a thread that has gone drops
-    out. The thread list is re-read every ``relist_every`` calls; one ``pread`` per thread otherwise.
-    """
+    - ``run_queue_ms``: the run-queue wait of every thread but the reader's. On a host short of CPUs a wait
+      for the GIL can be a wait for a holder the scheduler preempted (or for the thread the GIL was handed to,
+      still in the run queue). Every such stretch is run-queue time of some thread of the process, so the sum
+      over a stage's window bounds how much of its blocked time preemption can explain
+      (``exporter.signals.others_runqueue_ms``).
+    - ``cpu_ms``: the on-CPU time of every thread, the reader's included. Only a thread on a CPU or queued for
+      one holds the GIL (short of a C call that blocks without releasing it), so the other threads' on-CPU
+      and run-queue time over a stage's window is the most of its blocked time the GIL can explain at all
+      (``exporter.signals.others_cpu_ms``): a stage blocked longer than that waited for something else, even
+      where the GIL monitor found the GIL busy (held by the stage's own thread, or its wake-ups late for a
+      reason that is not the GIL, such as the hypervisor taking the CPU).
 
-    def __init__(self, exclude_tid: int, relist_every: int = 10) -> None:
-        self._exclude = exclude_tid
+    Both only grow: each thread's positive change is added, a new thread's whole past counted once (too much,
+    never too little), a thread that has gone drops out. The thread list is re-read when the number of Python
+    threads changed (``threading.active_count``: no syscall, and none that lets the GIL go mid-reading) and
+    every ``relist_every`` calls, for threads started outside Python; one ``pread`` per thread otherwise. A
+    thread found only at a later reading would leave its time out of the windows before then: a worker thread
+    started for a request, its own stage's CPU missing from the total the stage's is taken from.
+
+    The reads take the GIL-holding ``pread``, so no thread that needs the GIL runs while they are taken: a
+    holder's on-CPU time is current (a thread running on another CPU is counted only up to its last
+    scheduler tick)."""
+
+    def __init__(self, reader_tid: int, relist_every: int = 10) -> None:
+        self._reader = reader_tid
         self._relist_every = relist_every
         self._calls = 0
+        self._python_threads = -1  # threading.active_count() at the last relist
         self._fds: dict[int, int] = {}
-        self._last: dict[int, int] = {}
-        self._total_ns = 0
+        self._last: dict[int, tuple[int, int]] = {}
+        self._run_queue_ns = 0
+        self._cpu_ns = 0
         self._buf = ctypes.create_string_buffer(64)
         self._pread = _gil_holding_pread()
         self._lock = threading.Lock()  # read on the sampler's thread and the helper thread
-        self.available = self._pread is not None and os.path.isdir("/proc/self/task")
+        self.available = self._pread is not None and os.path.isdir(_TASKS)
 
-    def total_ms(self) -> float:
+    def totals_ms(self) -> tuple[float, float]:
+        """(the other threads' run-queue wait, every thread's on-CPU time), cumulative ms."""
         with self._lock:
-            return self._read_total_ms()
+            return self._read_totals_ms()
 
-    def _read_total_ms(self) -> float:
-        if self._calls % self._relist_every == 0:
+    def _read_totals_ms(self) -> tuple[float, float]:
+        python_threads = threading.active_count()
+        if python_threads != self._python_threads or self._calls % self._relist_every == 0:
+            self._python_threads = python_threads
             self._relist()
         self._calls += 1
         pread: Any = self._pread
-        buf = self._buf
+        buf, last, reader = self._buf, self._last, self._reader
         for tid, fd in list(self._fds.items()):
             n = pread(fd, buf, 64, 0)
             if n <= 0:
                 self._forget(tid)
                 continue
             try:
-                rq = int(buf.raw[:n].split()[1])
-            except (IndexError, ValueError):
+                cpu_text, rq_text, *_ = buf.raw[:n].split()
+                cpu, rq = int(cpu_text), int(rq_text)
+            except ValueError:
                 self._forget(tid)
                 continue
-            self._total_ns += max(0, rq - self._last.get(tid, 0))
-            self._last[tid] = rq
-        return self._total_ns / 1e6
+            cpu0, rq0 = last.get(tid, (0, 0))
+            self._cpu_ns += max(0, cpu - cpu0)
+            if tid != reader:
+                self._run_queue_ns += max(0, rq - rq0)
+            last[tid] = (cpu, rq)
+        return self._run_queue_ns / 1e6, self._cpu_ns / 1e6
 
     def _relist(self) -> None:
         try:
-            tids = {int(name) for name in os.listdir("/proc/self/task")} - {self._exclude}
+            tids = {int(name) for name in os.listdir(_TASKS)}
         except (OSError, ValueError):
             return
         for tid in set(self._fds) - tids:

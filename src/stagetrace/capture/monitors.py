@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from stagetrace._safety import report_internal_error
-from stagetrace.capture.cpu import CpuSignals, ProcessRunQueue
+from stagetrace.capture.cpu import CpuSignals, ProcessSchedTotals
 from stagetrace.common.schedstat import loop_held_ms
 
 _perf_ns = time.perf_counter_ns
@@ -88,11 +88,13 @@ class ProcessReadSchedule:
 class GilPressureMonitor:
     """One thread: about ``1/period`` wake-ups per second while a trace is in flight. Beside the GIL wait,
     each wake-up's run-queue wait is kept (``run_queue``): how long a thread made runnable waited for a CPU,
-    the host's oversubscription as any thread of the process meets it; and the run-queue wait of all the
-    process's other threads so far (``process_run_queue``, cumulative ms), which bounds how much of a stage's
-    blocked time preempted GIL holders can explain. That total costs a read per thread, so it is taken at the
-    wake-ups after one that waited (where the bound matters) and every ``PROCESS_READ_EVERY`` otherwise: a
-    quiet wake-up costs a sleep and one read of its own schedstat.
+    the host's oversubscription as any thread of the process meets it; and the process's scheduler totals so
+    far (cumulative ms, ``capture.cpu.ProcessSchedTotals``): the other threads' run-queue wait
+    (``process_run_queue``), which bounds how much of a stage's blocked time preempted GIL holders can
+    explain, and every thread's on-CPU time (``process_cpu``), which bounds how much of it the GIL can. Those
+    cost a read per thread, so they are taken at the wake-ups after one that waited (where the bounds matter)
+    and every ``PROCESS_READ_EVERY`` otherwise: a quiet wake-up costs a sleep and one read of its own
+    schedstat.
 
     Samples only count inside a trace's window, so with none in flight (``in_flight() == 0``) the thread
     sleeps on ``wake`` until the registry opens a trace (``TraceRegistry.idle_wake``): an idle server pays
@@ -105,14 +107,16 @@ class GilPressureMonitor:
         self.series = SampleBuffer(max_samples)
         self.run_queue = SampleBuffer(max_samples)
         self.process_run_queue = SampleBuffer(max_samples)
-        self._process: ProcessRunQueue | None = None  # made on the sampler's thread, which it leaves out
+        self.process_cpu = SampleBuffer(max_samples)
+        self._process: ProcessSchedTotals | None = None  # made on the sampler's thread (its run-queue left out)
+        self._totals_lock = threading.Lock()  # a reading and its samples, in order, from either thread
         self.wake = threading.Event()
         self._in_flight = in_flight
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = 0
         self.idle_waits = 0  # times the thread went to sleep with nothing in flight
-        self.process_reads = 0  # readings of the process's run-queue total taken at wake-ups
+        self.process_reads = 0  # readings of the process's totals taken at wake-ups
         self.last_wake_ns = 0  # epoch ns of the last wake-up, or of going idle (every trace ended by then)
 
     def ensure_running(self) -> None:
@@ -127,9 +131,8 @@ class GilPressureMonitor:
         period = self.period_s
         cpu = CpuSignals()
         run_queue = cpu.run_queue_ns if cpu.schedstat and cpu._pread is not None else None
-        process = ProcessRunQueue(threading.get_native_id()) if run_queue else None
-        process_total = process.total_ms if process is not None and process.available else None
-        self._process = process if process_total is not None else None
+        process = ProcessSchedTotals(threading.get_native_id()) if run_queue else None
+        self._process = process if process is not None and process.available else None
         in_flight, wake = self._in_flight, self.wake
         # Each wake-up's lag runs from the end of the previous one, so that it also counts the GIL waits of
         # the loop's own few lines: under heavy contention each of them can wait a switch interval, and a
@@ -150,9 +153,9 @@ class GilPressureMonitor:
                 rq0 = run_queue() if run_queue else 0
                 t0 = _perf_ns()
             read_ns = 0
-            if process_total is not None and schedule.due():
+            if self._process is not None and schedule.due():
                 read_start = _perf_ns()
-                self.process_run_queue.add(process_total())
+                self._note_process_totals(self._process)
                 read_ns = _perf_ns() - read_start
                 self.process_reads += 1
             _sleep(period)
@@ -184,13 +187,19 @@ class GilPressureMonitor:
             return True
         return self.last_wake_ns >= epoch_ns
 
-    def note_run_queues(self) -> None:
-        """One more reading of the process's run-queue total, now (the helper thread's, before it ships
-        traces): the sampler's own next wake-up may come after the traces have gone, and a stage is judged
-        only between a reading before it and one after it."""
+    def note_process_totals(self) -> None:
+        """One more reading of the process's totals, now (the helper thread's, before it ships traces): the
+        sampler's own next wake-up may come after the traces have gone, and a stage is judged only between a
+        reading before it and one after it."""
         process = self._process
         if process is not None:
-            self.process_run_queue.add(process.total_ms())
+            self._note_process_totals(process)
+
+    def _note_process_totals(self, process: ProcessSchedTotals) -> None:
+        with self._totals_lock:  # cumulative series: a later sample never carries an earlier reading
+            run_queue_ms, cpu_ms = process.totals_ms()
+            self.process_run_queue.add(run_queue_ms)
+            self.process_cpu.add(cpu_ms)
 
     def stop(self) -> None:
         self._stop.set()

@@ -80,7 +80,7 @@ def link_flags(context: SpanContext) -> int:
 
 
 # What the exporter derives from a stage's raw CPU readings (``exporter.signals.resolve_cpu``).
-DERIVED_STAGE_FIELDS = ("cpu_ms", "runqueue_ms", "blocked_ms", "not_gil_ms", "others_runqueue_ms")
+DERIVED_STAGE_FIELDS = ("cpu_ms", "runqueue_ms", "blocked_ms", "not_gil_ms", "others_runqueue_ms", "others_cpu_ms")
 
 
 class ShippedStage:
@@ -120,7 +120,8 @@ class ShippedStage:
             self.batch = batch_info(self.batch)
         if self.compressed is not None:
             self.compressed = compressed_info(self.compressed)
-        self.cpu_ms = self.runqueue_ms = self.blocked_ms = self.not_gil_ms = self.others_runqueue_ms = None
+        self.cpu_ms = self.runqueue_ms = self.blocked_ms = self.not_gil_ms = None
+        self.others_runqueue_ms = self.others_cpu_ms = None
 
     @classmethod
     def added(cls, name: str, kind: str, span_id: int, parent_span_id: int, start_ns: int, end_ns: int) -> ShippedStage:

@@ -356,11 +356,11 @@ class ExporterCore:
         return wire.replace_span(root, start_ns=arrival.start_ns + offset, attributes=attributes), before
 
     def _resolve_cpu(self, stages: Sequence[wire.ShippedStage], offset: int) -> None:
-        """The stages' CPU figures from their raw readings, and the other threads' run-queue wait beside each."""
-        others = self.series[sig.PROCESS_RUN_QUEUE_SERIES]
+        """The stages' CPU figures from their raw readings, and the other threads' beside each blocked one."""
+        run_queue, cpu = self.series[sig.PROCESS_RUN_QUEUE_SERIES], self.series[sig.PROCESS_CPU_SERIES]
         for st in stages:
             sig.resolve_cpu(st, self._gil_wait_bound_ms)
-            sig.resolve_others_runqueue(st, others, offset)
+            sig.resolve_others(st, run_queue, cpu, offset)
 
     def _signals(
         self, start_ns: int, end_ns: int, gpu_utilization: float | None, blocked_by: tuple[str, ...] = ()

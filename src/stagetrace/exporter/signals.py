@@ -18,8 +18,11 @@ GIL_SERIES = "gil"
 RUN_QUEUE_SERIES = "runqueue"  # the GIL monitor's run-queue wait per wake-up
 LOOP_SERIES = "loop"
 LOOP_HELD_SERIES = "loopheld"  # per loop-lag wake-up: the part of the stall work on the loop's thread explains
-PROCESS_RUN_QUEUE_SERIES = "procrq"  # at each GIL-monitor wake-up: the other threads' run-queue wait so far, ms
-SERIES = (GIL_SERIES, RUN_QUEUE_SERIES, LOOP_SERIES, LOOP_HELD_SERIES, PROCESS_RUN_QUEUE_SERIES)
+# At the GIL monitor's reads of the process's totals (capture.cpu.ProcessSchedTotals), cumulative ms: the other
+# threads' run-queue wait so far, and every thread's on-CPU time so far.
+PROCESS_RUN_QUEUE_SERIES = "procrq"
+PROCESS_CPU_SERIES = "proccpu"
+SERIES = (GIL_SERIES, RUN_QUEUE_SERIES, LOOP_SERIES, LOOP_HELD_SERIES, PROCESS_RUN_QUEUE_SERIES, PROCESS_CPU_SERIES)
 
 
 def resolve_cpu(stage: Any, gil_wait_bound_ms: float | None = None) -> None:
@@ -60,15 +63,18 @@ def resolve_cpu(stage: Any, gil_wait_bound_ms: float | None = None) -> None:
         stage.not_gil_ms = round(not_gil_ms(blocked, slices, gil_wait_bound_ms), 3)
 
 
-def resolve_others_runqueue(stage: Any, series: LagSeries, offset_ns: int) -> None:
-    """Set a blocked stage's ``others_runqueue_ms``: the process's other threads' run-queue wait from the
-    GIL monitor's last wake-up before the stage to its first one after (so never less than over the stage
-    itself), less the stage's own. Left None when no wake-up brackets the stage."""
-    if not stage.blocked_ms or not len(series):  # blocked stages only: the bound is of blocked time
+def resolve_others(stage: Any, run_queue: LagSeries, cpu: LagSeries, offset_ns: int) -> None:
+    """Set a blocked stage's ``others_runqueue_ms`` and ``others_cpu_ms``: the process's other threads'
+    run-queue wait and on-CPU time from the GIL monitor's last reading before the stage to its first one
+    after (so never less than over the stage itself), less the stage's own. Each is left None when no pair of
+    readings brackets the stage."""
+    if not stage.blocked_ms:  # blocked stages only: both bound blocked time
         return
-    total = cumulative_change(series, stage.start_ns + offset_ns, stage.end_ns + offset_ns)
-    if total is not None:
+    start_ns, end_ns = stage.start_ns + offset_ns, stage.end_ns + offset_ns
+    if len(run_queue) and (total := cumulative_change(run_queue, start_ns, end_ns)) is not None:
         stage.others_runqueue_ms = round(max(0.0, total - (stage.runqueue_ms or 0.0)), 3)
+    if len(cpu) and (total := cumulative_change(cpu, start_ns, end_ns)) is not None:
+        stage.others_cpu_ms = round(max(0.0, total - (stage.cpu_ms or 0.0)), 3)
 
 
 def cumulative_change(series: LagSeries, start_ns: int, end_ns: int) -> float | None:

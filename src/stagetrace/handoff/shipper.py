@@ -112,7 +112,7 @@ class Shipper:
     ) -> None:
         self.settings = settings
         # Called before the signals are drained in a cycle that ships traces: a sampler's reading taken then
-        # is later than every one of their stages (``GilPressureMonitor.note_run_queues``).
+        # is later than every one of their stages (``GilPressureMonitor.note_process_totals``).
         self.before_signals = before_signals
         # Whether the samplers' readings reach an epoch time (``GilPressureMonitor.covers``): a trace whose end
         # they do not reach yet waits for them, up to SIGNALS_WAIT_S, with everything submitted after it.
