@@ -56,7 +56,14 @@ def run_scenario(scenario: Scenario, runs: int) -> tuple[list[Outcome], list[str
     return outcomes, explained
 
 
-CPU_FIGURES = (("cpu", c.CPU_MS), ("run queue", c.RUNQUEUE_MS), ("blocked", c.BLOCKED_MS), ("not GIL", c.NOT_GIL_MS))
+CPU_FIGURES = (
+    ("cpu", c.CPU_MS),
+    ("run queue", c.RUNQUEUE_MS),
+    ("blocked", c.BLOCKED_MS),
+    ("not GIL", c.NOT_GIL_MS),
+    ("others on CPU", c.OTHERS_CPU_MS),
+    ("others queued", c.OTHERS_RUNQUEUE_MS),
+)
 
 
 def explain(v: Verdict, spans: Sequence[Span]) -> str:
