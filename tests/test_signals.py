@@ -154,6 +154,34 @@ def test_the_process_totals_grow_with_every_thread_on_real_threads():
     assert reader._fds == {}
 
 
+def test_the_exporter_reads_the_other_threads_beside_the_stages_the_blocked_cause_rules_look_at():
+    """Two window queries a stage: only on CPU stages long and blocked enough for a rule to look at them
+    (every trace would pay them otherwise, for a few microseconds of blocked time on most stages)."""
+    from stagetrace.common import wire
+    from stagetrace.exporter import signals as sig
+    from stagetrace.exporter.core import ExporterCore
+    from stagetrace.exporter.outputs import LocalOutputs, NoMetrics
+    from stagetrace.settings import Settings
+
+    core = ExporterCore(Settings(), LocalOutputs(spans=None, metrics=NoMetrics()))
+    core.series[sig.PROCESS_RUN_QUEUE_SERIES].extend_flat((1000 * MS, 10.0, 1100 * MS, 14.0))
+    core.series[sig.PROCESS_CPU_SERIES].extend_flat((1000 * MS, 100.0, 1100 * MS, 160.0))
+
+    def stage(kind: str, wall_ms: int, cpu_ms: int) -> wire.ShippedStage:
+        st = wire.ShippedStage.added("tokenize", kind, 1, 2, 10 * MS, (10 + wall_ms) * MS)
+        st.cpu_start, st.cpu_end = b"0 0 1\n", f"{cpu_ms * MS} 0 40\n".encode()  # on-CPU ns, run-queue ns, slices
+        return st
+
+    blocked = stage("cpu", 40, 20)  # 20 ms of 40 blocked
+    barely = stage("cpu", 40, 38)  # 2 ms: under blocked_min_ms
+    short = stage("cpu", 4, 1)  # shorter than min_stage_ms
+    io = stage("io", 40, 1)  # not a CPU stage
+    core._resolve_cpu([blocked, barely, short, io], offset=1000 * MS)
+    assert (blocked.others_runqueue_ms, blocked.others_cpu_ms) == (4.0, 40.0)  # the stage's own 20 ms left out
+    for other in (barely, short, io):
+        assert other.blocked_ms and other.others_runqueue_ms is None and other.others_cpu_ms is None
+
+
 def test_a_thread_started_between_two_readings_is_in_the_second():
     """A worker started for a request runs its stage at once: its CPU must be in the reading after it, or
     the stage's own CPU would be missing from the total the other threads' time is taken from."""

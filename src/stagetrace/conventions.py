@@ -228,7 +228,8 @@ ATTRIBUTE_REFERENCE: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         ("stage",),
         "the run-queue wait of the process's other threads from the GIL monitor's wake-up before the stage to its "
         "first after it, less the stage's own: the most of `blocked_ms` that preempted GIL holders (or the GIL "
-        "handed to a thread still queued for a CPU) can explain; blocked sync stages only",
+        "handed to a thread still queued for a CPU) can explain; on the CPU stages the GIL and lock rules look at "
+        "(at least `min_stage_ms` long, blocked at least `blocked_min_ms` and `blocked_share` of it)",
     ),
     (
         OTHERS_CPU_MS,
@@ -236,7 +237,7 @@ ATTRIBUTE_REFERENCE: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         ("stage",),
         "the on-CPU time of the process's other threads over the same window as `others_runqueue_ms`: with it, the "
         "most of `blocked_ms` that waits for the GIL can explain (only a thread on a CPU or queued for one holds "
-        "the GIL); blocked sync stages only",
+        "the GIL); on the same stages",
     ),
     (
         NOT_GIL_MS,

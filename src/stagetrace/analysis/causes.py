@@ -38,6 +38,16 @@ def at_least(ms: float | None, floor_ms: float, share: float, s: StageLike) -> b
     return ms is not None and ms >= max(floor_ms, share * s.wall_ms)
 
 
+def blocked_enough(s: StageLike, th: DiagnosisThresholds) -> bool:
+    """A CPU stage the blocked-cause rules look at: long enough, and blocked enough to matter. Only these need
+    the other threads' time beside them (``others_runqueue_ms``, ``others_cpu_ms``)."""
+    return (
+        s.kind == "cpu"
+        and s.wall_ms >= th.min_stage_ms
+        and at_least(s.blocked_ms, th.blocked_min_ms, th.blocked_share, s)
+    )
+
+
 def waited_for_cpu(s: StageLike, th: DiagnosisThresholds) -> bool:
     return at_least(s.runqueue_ms, th.runqueue_min_ms, th.runqueue_share, s)
 

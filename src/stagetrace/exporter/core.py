@@ -19,6 +19,7 @@ from opentelemetry.trace import StatusCode, format_trace_id
 from stagetrace import conventions as c
 from stagetrace._safety import RateLimitedLog, report_internal_error
 from stagetrace.analysis import TraceSignals, Verdict, analyse_trace, build_verdict, diagnose
+from stagetrace.analysis.causes import blocked_enough
 from stagetrace.analysis.loopwait import blocker_entry, loop_waits, request_arrival
 from stagetrace.analysis.model import CompressedInfo
 from stagetrace.analysis.streams import summarise_stream
@@ -356,11 +357,14 @@ class ExporterCore:
         return wire.replace_span(root, start_ns=arrival.start_ns + offset, attributes=attributes), before
 
     def _resolve_cpu(self, stages: Sequence[wire.ShippedStage], offset: int) -> None:
-        """The stages' CPU figures from their raw readings, and the other threads' beside each blocked one."""
+        """The stages' CPU figures from their raw readings, and the other threads' time beside each that the
+        blocked-cause rules look at (two window queries a stage: on the others, every trace would pay them)."""
         run_queue, cpu = self.series[sig.PROCESS_RUN_QUEUE_SERIES], self.series[sig.PROCESS_CPU_SERIES]
+        th = self.settings.thresholds
         for st in stages:
             sig.resolve_cpu(st, self._gil_wait_bound_ms)
-            sig.resolve_others(st, run_queue, cpu, offset)
+            if st.blocked_ms and blocked_enough(st, th):
+                sig.resolve_others(st, run_queue, cpu, offset)
 
     def _signals(
         self, start_ns: int, end_ns: int, gpu_utilization: float | None, blocked_by: tuple[str, ...] = ()

@@ -67,7 +67,7 @@ def resolve_others(stage: Any, run_queue: LagSeries, cpu: LagSeries, offset_ns: 
     """Set a blocked stage's ``others_runqueue_ms`` and ``others_cpu_ms``: the process's other threads'
     run-queue wait and on-CPU time from the GIL monitor's last reading before the stage to its first one
     after (so never less than over the stage itself), less the stage's own. Each is left None when no pair of
-    readings brackets the stage."""
+    readings brackets the stage. The exporter asks it for the stages the blocked-cause rules look at."""
     if not stage.blocked_ms:  # blocked stages only: both bound blocked time
         return
     start_ns, end_ns = stage.start_ns + offset_ns, stage.end_ns + offset_ns
