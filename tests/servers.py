@@ -1,17 +1,25 @@
-"""Real servers on 127.0.0.1 for tests: uvicorn in a thread, on a free port, stopped on exit."""
+"""Real servers on 127.0.0.1 for tests: uvicorn in a thread, on a free port, stopped on exit; or a server
+in its own process, exporting its traces to JSON lines files."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 
 import stagetrace
+from stagetrace.report.loader import Span, spans_from_line
+
+HERE = Path(__file__).resolve().parent
 
 
 @contextlib.contextmanager
@@ -86,3 +94,30 @@ def run_scenario(collector: Any, app: Any, path: str, n: int, concurrency: int) 
     verdicts = [v for v in collector.verdicts if v.route == path]
     assert len(verdicts) == n, f"{len(verdicts)} verdicts for {n} requests"
     return verdicts
+
+
+def own_process_server(args: Sequence[str], out_dir: Path, **env: str) -> subprocess.Popen:
+    """``python <args>`` started from this directory (its app modules importable), with none of this process's
+    ``OTEL_*`` / ``STAGETRACE_*`` settings, every trace kept and written to ``out_dir`` as JSON lines, plus
+    ``env``: a server whose process holds no thread of the test's."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
+    clean.update(
+        STAGETRACE_OUTPUT_DIR=str(out_dir),
+        PYTHONPATH=str(HERE),
+        STAGETRACE_HEALTHY_SAMPLE="1",
+        STAGETRACE_EXPORT_BUDGET="off",
+        **env,
+    )
+    return subprocess.Popen(
+        [sys.executable, *args], cwd=HERE, env=clean, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+
+
+def exported_spans(out_dir: Path) -> list[Span]:
+    """Every span a server in its own process wrote to ``out_dir``."""
+    return [
+        span
+        for path in out_dir.glob("traces-*.jsonl")
+        for line in path.read_text().splitlines()
+        for span in spans_from_line(line)
+    ]

@@ -8,24 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from harness import free_port, terminate, wait_for_port
 
 import stagetrace
 from scenarios.corpus import busy
+from servers import exported_spans, own_process_server
 from stagetrace import conventions as c
 from stagetrace.analysis.loopwait import LoopBlock, request_arrival
 from stagetrace.capture.arrival import TASK_ARRIVAL, arrival_factory, ensure_task_factory, take_arrival
-from stagetrace.report.loader import spans_from_line
 
 MS = 1_000_000
-HERE = Path(__file__).resolve().parent
 
 
 def block(start_ms: float, end_ms: float, trace_id: int, name: str = "decode") -> LoopBlock:
@@ -258,21 +255,7 @@ def test_on_a_real_server_every_trace_lasts_what_its_client_lived(spare_cpus, tm
     Each trace must last what its client lived, within 10 % or 5 ms, and the delayed ones be headlined
     ``event_loop.wait``, naming what held the loop."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
-    env.update(
-        STAGETRACE_OUTPUT_DIR=str(tmp_path),
-        PYTHONPATH=str(HERE),
-        STAGETRACE_HEALTHY_SAMPLE="1",
-        STAGETRACE_EXPORT_BUDGET="off",
-    )
-    server = subprocess.Popen(
-        [sys.executable, *(arg.format(port=port) for arg in SERVERS[server_name])],
-        cwd=HERE,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    server = own_process_server([arg.format(port=port) for arg in SERVERS[server_name]], tmp_path)
     try:
         wait_for_port(port, server)
         out = subprocess.run(
@@ -285,12 +268,7 @@ def test_on_a_real_server_every_trace_lasts_what_its_client_lived(spare_cpus, tm
     finally:
         terminate(server, timeout_s=30)
     lived: dict[str, float] = json.loads(out.stdout)
-    roots = {}
-    for path in tmp_path.glob("traces-*.jsonl"):
-        for line in path.read_text().splitlines():
-            for span in spans_from_line(line):
-                if span.name == "GET /work" and span.trace_id in lived:
-                    roots[span.trace_id] = span
+    roots = {s.trace_id: s for s in exported_spans(tmp_path) if s.name == "GET /work" and s.trace_id in lived}
     assert set(roots) == set(lived), f"{len(roots)} of {len(lived)} traces exported"
     delayed = 0
     for trace_id, client_ms in lived.items():

@@ -11,7 +11,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 from fastapi import FastAPI
@@ -19,11 +18,8 @@ from harness import free_port, terminate, wait_for_port
 
 import stagetrace
 from scenarios.corpus import busy
-from servers import hit, run_scenario, serve, settle_heap
+from servers import exported_spans, hit, own_process_server, run_scenario, serve, settle_heap
 from stagetrace import conventions as c
-from stagetrace.report.loader import spans_from_line
-
-HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(autouse=True)
@@ -178,21 +174,8 @@ def test_a_stage_whose_process_was_paused_is_not_gil_contention(tmp_path):
     fifo = tmp_path / "pause"
     os.mkfifo(fifo)
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
-    env.update(
-        STAGETRACE_OUTPUT_DIR=str(tmp_path),
-        PYTHONPATH=str(HERE),
-        STAGETRACE_HEALTHY_SAMPLE="1",
-        STAGETRACE_EXPORT_BUDGET="off",
-        PAUSER_FIFO=str(fifo),
-    )
-    server = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "paused_app:app", "--host", "127.0.0.1", "--port", str(port)],
-        cwd=HERE,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+    server = own_process_server(
+        ["-m", "uvicorn", "paused_app:app", "--host", "127.0.0.1", "--port", str(port)], tmp_path, PAUSER_FIFO=str(fifo)
     )
     pauser = subprocess.Popen([sys.executable, "-c", PAUSER, str(server.pid), "0.03", str(pause_s), str(fifo)])
     try:
@@ -201,12 +184,7 @@ def test_a_stage_whose_process_was_paused_is_not_gil_contention(tmp_path):
     finally:
         terminate(server, timeout_s=30)
         pauser.wait(10)
-    spans = [
-        s
-        for path in tmp_path.glob("traces-*.jsonl")
-        for line in path.read_text().splitlines()
-        for s in spans_from_line(line)
-    ]
+    spans = exported_spans(tmp_path)
     stages = {s.trace_id: s.attributes for s in spans if s.name == "tokenize"}
     roots = sorted((s for s in spans if s.name == "GET /tokenize"), key=lambda s: s.start_ns)
     assert len(roots) == 7
