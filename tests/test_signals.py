@@ -223,8 +223,9 @@ def test_the_process_totals_count_each_change_once_and_leave_out_the_readers_run
 
     def relist() -> None:
         reader._fds = {tid: tid for tid in files}
-        for tid in set(reader._last) - set(files):
-            reader._last.pop(tid)
+        for tid in set(reader._last_cpu) - set(files):
+            reader._last_cpu.pop(tid)
+            reader._last_run_queue.pop(tid, None)
 
     def pread(fd, buf, size, offset):
         raw = files[fd]

@@ -109,7 +109,8 @@ class ProcessSchedTotals:
         self._calls = 0
         self._python_threads = -1  # threading.active_count() at the last relist
         self._fds: dict[int, int] = {}
-        self._last: dict[int, tuple[int, int]] = {}
+        self._last_cpu: dict[int, int] = {}
+        self._last_run_queue: dict[int, int] = {}
         self._run_queue_ns = 0
         self._cpu_ns = 0
         self._buf = ctypes.create_string_buffer(64)
@@ -128,25 +129,33 @@ class ProcessSchedTotals:
             self._python_threads = python_threads
             self._relist()
         self._calls += 1
+        # (one pass a thread, at every contended wake-up under load: no tuples, no max(), one copy of the line)
         pread: Any = self._pread
-        buf, last, reader = self._buf, self._last, self._reader
+        buf, reader = self._buf, self._reader
+        last_cpu, last_run_queue = self._last_cpu, self._last_run_queue
+        cpu_ns, run_queue_ns = self._cpu_ns, self._run_queue_ns
         for tid, fd in list(self._fds.items()):
             n = pread(fd, buf, 64, 0)
             if n <= 0:
                 self._forget(tid)
                 continue
+            fields = buf[:n].split(None, 2)  # type: ignore[attr-defined]  # a c_char array's slice is bytes
             try:
-                cpu_text, rq_text, *_ = buf.raw[:n].split()
-                cpu, rq = int(cpu_text), int(rq_text)
-            except ValueError:
+                cpu, rq = int(fields[0]), int(fields[1])
+            except (ValueError, IndexError):
                 self._forget(tid)
                 continue
-            cpu0, rq0 = last.get(tid, (0, 0))
-            self._cpu_ns += max(0, cpu - cpu0)
+            grew = cpu - last_cpu.get(tid, 0)
+            if grew > 0:
+                cpu_ns += grew
+            last_cpu[tid] = cpu
             if tid != reader:
-                self._run_queue_ns += max(0, rq - rq0)
-            last[tid] = (cpu, rq)
-        return self._run_queue_ns / 1e6, self._cpu_ns / 1e6
+                grew = rq - last_run_queue.get(tid, 0)
+                if grew > 0:
+                    run_queue_ns += grew
+                last_run_queue[tid] = rq
+        self._cpu_ns, self._run_queue_ns = cpu_ns, run_queue_ns
+        return run_queue_ns / 1e6, cpu_ns / 1e6
 
     def _relist(self) -> None:
         try:
@@ -163,7 +172,8 @@ class ProcessSchedTotals:
 
     def _forget(self, tid: int) -> None:
         fd = self._fds.pop(tid, None)
-        self._last.pop(tid, None)
+        self._last_cpu.pop(tid, None)
+        self._last_run_queue.pop(tid, None)
         if fd is not None:
             try:
                 os.close(fd)
