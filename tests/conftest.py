@@ -16,7 +16,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import stagetrace
-from scenarios.collect import Collector
+from scenarios.collect import Collector, wait_for_verdicts
 from stagetrace.analysis import DiagnosisThresholds, Verdict
 
 # The load harness and the helpers tests and benchmarks share (free_port, ...) live in benchmarks/harness.py.
@@ -176,10 +176,7 @@ class Harness:
         return points
 
     def wait_verdicts(self, n: int, timeout: float = 10.0) -> list[Verdict]:
-        deadline = time.monotonic() + timeout
-        while len(self.verdicts) < n and time.monotonic() < deadline:
-            self.handle.force_flush(1)
-            time.sleep(0.01)
+        wait_for_verdicts(self.handle, self.verdicts, n, timeout)
         return self.verdicts
 
 

@@ -8,10 +8,19 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import stagetrace
 from stagetrace.analysis import Verdict
 from stagetrace.report.loader import Span, read_traces
+
+
+def wait_for_verdicts(handle: Any, verdicts: list[Verdict], n: int, timeout_s: float) -> None:
+    """Flush ``handle`` until its ``on_verdict`` list holds ``n`` verdicts, or ``timeout_s`` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while len(verdicts) < n and time.monotonic() < deadline:
+        handle.force_flush(1)
+        time.sleep(0.01)
 
 
 class Collector:
@@ -26,10 +35,7 @@ class Collector:
 
     def wait_verdicts(self, n: int, timeout_s: float = 30.0) -> list[Verdict]:
         """The first ``n`` verdicts, in the order they came (fewer if they do not come in ``timeout_s``)."""
-        deadline = time.monotonic() + timeout_s
-        while len(self.verdicts) < n and time.monotonic() < deadline:
-            self.handle.force_flush(1)
-            time.sleep(0.01)
+        wait_for_verdicts(self.handle, self.verdicts, n, timeout_s)
         return list(self.verdicts)
 
     def spans(self) -> list[Span]:

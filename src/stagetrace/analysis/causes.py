@@ -70,13 +70,18 @@ def short_of_cpus(stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisT
     )
 
 
+def _gil_shaped_ms(s: StageLike) -> float:
+    """The part of a stage's blocked time its own scheduler counts do not prove was something else."""
+    return (s.blocked_ms or 0.0) - (s.not_gil_ms or 0.0)
+
+
 def gil_explainable_ms(s: StageLike) -> float:
     """The part of a stage's blocked time that waits for the GIL could account for: all but what its own
     scheduler counts prove was not (``not_gil_ms``), and at most what the process's other threads spent on a
     CPU or queued for one meanwhile, the only time one of them can have held the GIL. That bound is what keeps
     a GIL the stage's own thread kept busy (the GIL monitor waits on it too) or a stage stalled for another
     reason (the hypervisor taking its CPU) from reading as contention."""
-    explainable = (s.blocked_ms or 0.0) - (s.not_gil_ms or 0.0)
+    explainable = _gil_shaped_ms(s)
     if s.others_cpu_ms is not None:
         explainable = min(explainable, s.others_cpu_ms + (s.others_runqueue_ms or 0.0))
     return explainable
@@ -85,8 +90,9 @@ def gil_explainable_ms(s: StageLike) -> float:
 def others_too_idle_for_gil(s: StageLike, th: DiagnosisThresholds) -> bool:
     """The stage's blocked time would read as GIL waits but for the other threads' time on or queued for a
     CPU, which was too short to have held the GIL through it."""
-    shaped_like_gil = at_least((s.blocked_ms or 0.0) - (s.not_gil_ms or 0.0), th.blocked_min_ms, th.blocked_share, s)
-    return shaped_like_gil and not at_least(gil_explainable_ms(s), th.blocked_min_ms, th.blocked_share, s)
+    return at_least(_gil_shaped_ms(s), th.blocked_min_ms, th.blocked_share, s) and not at_least(
+        gil_explainable_ms(s), th.blocked_min_ms, th.blocked_share, s
+    )
 
 
 def proven_not_gil(s: StageLike, th: DiagnosisThresholds) -> bool:
