@@ -113,6 +113,21 @@ def test_an_executor_burst_marks_exactly_the_tasks_beyond_its_workers_as_queued(
     assert "QUEUEING" in v.diagnosis_codes
 
 
+@pytest.mark.parametrize("floor_ns, recorded", [(0, True), (10**12, False)], ids=["floor-zero", "floor-huge"])
+def test_the_wait_floor_is_read_at_each_submission(harness, threads_patched, monkeypatch, floor_ns, recorded):
+    """The noise floor is looked up when a task is submitted (a default argument bound at import would
+    ignore the change, and tests that lower it would race a 0.5 ms dispatch)."""
+    monkeypatch.setattr("stagetrace.integrations.threads.MIN_WAIT_NS", floor_ns)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="floor")
+    try:
+        with stagetrace.pipeline("job"):
+            pool.submit(int).result(timeout=5)
+        harness.wait_verdicts(1)
+    finally:
+        pool.shutdown()
+    assert bool(harness.by_name("floor.wait")) is recorded
+
+
 def test_cancelled_and_failed_submissions_leave_the_count(harness, threads_patched):
     from stagetrace.integrations.threads import OCCUPANCY
 

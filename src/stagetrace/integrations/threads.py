@@ -71,9 +71,14 @@ def _make_submit(original: Any) -> Any:
     return submit
 
 
-def timed_wait(fn: Any, name: str, saturated: bool | None, min_ns: int = MIN_WAIT_NS) -> Any:
-    """``fn`` recording, on the worker, the wait from now until a worker picked it up (if ``min_ns`` or more)."""
+def timed_wait(fn: Any, name: str, saturated: bool | None, min_ns: int | None = None) -> Any:
+    """``fn`` recording, on the worker, the wait from now until a worker picked it up (if ``min_ns`` or more).
+
+    The floor defaults to ``MIN_WAIT_NS`` read now, not when this module was imported, so a changed floor
+    (a test, an embedding application) takes effect on the next submission."""
     submitted = time.perf_counter_ns()
+    if min_ns is None:
+        min_ns = MIN_WAIT_NS
 
     def timed(*a: Any, **k: Any) -> Any:
         started = time.perf_counter_ns()
