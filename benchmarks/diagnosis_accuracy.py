@@ -19,15 +19,12 @@ import os
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from scenarios import SCENARIOS, Collector, Outcome, Scenario, run_once
-from stagetrace import conventions as c
-from stagetrace.analysis import Verdict
-from stagetrace.report.loader import Span
+from scenarios.collect import explain
 
 
 def cuda_available() -> bool:
@@ -54,33 +51,6 @@ def run_scenario(scenario: Scenario, runs: int) -> tuple[list[Outcome], list[str
                 spans = collector.spans()
                 explained += [explain(v, spans) for v in outcome.misread]
     return outcomes, explained
-
-
-CPU_FIGURES = (
-    ("cpu", c.CPU_MS),
-    ("run queue", c.RUNQUEUE_MS),
-    ("blocked", c.BLOCKED_MS),
-    ("not GIL", c.NOT_GIL_MS),
-    ("others on CPU", c.OTHERS_CPU_MS),
-    ("others queued", c.OTHERS_RUNQUEUE_MS),
-)
-
-
-def explain(v: Verdict, spans: Sequence[Span]) -> str:
-    """One misread verdict: its breakdown, the signals the rules read, its stages' CPU figures."""
-    stages = ", ".join(f"{name} {ms:.1f}" for name, ms in v.breakdown.items())
-    lines = [
-        f"    {v.trace_id[:8]} {v.total_ms:.1f} ms [{stages}] untracked {v.untracked_ms:.1f} "
-        f"GIL pressure {v.gil_pressure_ms} CPU pressure {v.cpu_pressure_ms} loop lag {v.loop_lag_ms}"
-    ]
-    for span in spans:
-        if span.trace_id == v.trace_id and c.CPU_MS in span.attributes:
-            figures = ", ".join(
-                f"{label} {span.attributes[key]}" for label, key in CPU_FIGURES if key in span.attributes
-            )
-            lines.append(f"      stage {span.name}: {figures}")
-    lines += [f"      {d.code}: {d.message}" for d in v.diagnoses] or ["      (no diagnosis)"]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

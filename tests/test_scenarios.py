@@ -37,6 +37,13 @@ def codes(verdicts) -> Counter:
     return Counter(code for v in verdicts for code in v.diagnosis_codes)
 
 
+def misread(collector, verdicts, code: str) -> str:
+    """Why ``code`` fired, for an assertion's message: the verdicts' figures, and the threads that shared the
+    server's GIL (the scenario's, and any an earlier test left running)."""
+    threads = ", ".join(sorted(t.name for t in threading.enumerate()))
+    return f"{collector.explain(v for v in verdicts if code in v.diagnosis_codes)}\nthreads: {threads}"
+
+
 def test_cpu_heavy_sync_stage_in_async_endpoint_blocks_the_event_loop(collector):
     app = FastAPI()
 
@@ -79,7 +86,7 @@ def test_stage_waiting_on_a_lock_is_lock_or_io_wait(collector):
         t.join()
     found = codes(verdicts)
     assert found["LOCK_OR_IO_WAIT"] >= len(verdicts) * 0.7, found
-    assert found["GIL_CONTENTION"] == 0
+    assert found["GIL_CONTENTION"] == 0, misread(collector, verdicts, "GIL_CONTENTION")
     d = next(d for v in verdicts for d in v.diagnoses if d.code == "LOCK_OR_IO_WAIT")
     assert d.stage == "cache_lookup"
 
