@@ -4,7 +4,9 @@ lag a request reports is the stall it lived through, not a neighbour's."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -544,8 +546,8 @@ def test_a_slow_reading_of_the_run_queue_does_not_make_the_next_wake_up_read_aga
     class FakeCpu:
         schedstat, _pread = True, object()
 
-        def run_queue_ns(self) -> int:
-            return 0
+        def run_queue_and_slices(self) -> tuple[int, int | None]:
+            return 0, None
 
     class FakeProcess:
         available = True
@@ -573,3 +575,60 @@ def test_a_slow_reading_of_the_run_queue_does_not_make_the_next_wake_up_read_aga
     wakes = len(sampler.series.drain())
     assert wakes >= 40
     assert sampler.process_reads == len(range(0, wakes, monitors.PROCESS_READ_EVERY))  # the first, every fifth
+
+
+def test_a_late_wake_up_scheduled_in_once_is_no_gil_wait(monkeypatch):
+    """On a fake clock: each wake-up 3 ms late with no run-queue wait. Scheduled in once (the timer's wake-up
+    only: the hypervisor took the CPU, or the process was stopped), it never slept on the GIL, so it records
+    no GIL wait; scheduled in twice, it may have, and the lag stands."""
+    from stagetrace.capture import monitors
+
+    def lags(slices_a_wake_up: int) -> list[float]:
+        clock = {"ns": 10**12}
+        counts = {"slices": 0}
+        sampler = monitors.GilPressureMonitor(0.01, in_flight=lambda: 1)
+
+        class FakeCpu:
+            schedstat, _pread = True, object()
+
+            def run_queue_and_slices(self) -> tuple[int, int | None]:
+                return 0, counts["slices"]
+
+        def sleep(seconds: float) -> None:
+            clock["ns"] += int(seconds * 1e9) + 3_000_000
+            counts["slices"] += slices_a_wake_up
+            if len(sampler.series._items) >= 10:
+                sampler.stop()
+
+        monkeypatch.setattr(monitors, "CpuSignals", FakeCpu)
+        monkeypatch.setattr(monitors, "_perf_ns", lambda: clock["ns"])
+        monkeypatch.setattr(monitors, "_sleep", sleep)
+        sampler._run()
+        return [lag for _, lag in sampler.series.drain()]
+
+    assert set(lags(1)) == {0.0}
+    assert set(lags(2)) == {3.0}
+    assert not monitors.waited_for_no_gil(None, 5) and not monitors.waited_for_no_gil(4, None)
+
+
+def test_a_gil_monitor_alone_in_its_process_reads_a_free_gil_as_no_wait():
+    """No other thread wants the GIL, so no wake-up waits for it: the timer's lateness (slack, the wake-up path,
+    a hypervisor's stolen time: 0.05-0.5 ms a wake-up on a virtual machine) is kept out of GIL pressure, on real
+    threads and a real kernel. Preempted wake-ups may keep some; most read zero."""
+    if not os.path.exists("/proc/thread-self/schedstat"):
+        pytest.skip("needs Linux schedstat")
+    child = subprocess.run([sys.executable, "-c", LONE_SAMPLER], capture_output=True, text=True, timeout=60, check=True)
+    lags = json.loads(child.stdout)
+    assert len(lags) >= 50
+    assert sorted(lags)[len(lags) // 2] == 0.0, sorted(lags)
+
+
+LONE_SAMPLER = """
+import json, time
+from stagetrace.capture.monitors import GilPressureMonitor
+sampler = GilPressureMonitor(0.005, in_flight=lambda: 1)
+sampler.ensure_running()
+time.sleep(0.6)  # asleep: the GIL is free
+sampler.stop()
+print(json.dumps([lag for _, lag in sampler.series.drain()]))
+"""

@@ -61,10 +61,14 @@ class CpuSignals:
         if self._pread is None:
             self.read = time.thread_time_ns  # type: ignore[method-assign]  # no run-queue split here
 
-    def run_queue_ns(self) -> int:
-        """This thread's cumulative run-queue wait (schedstat's second field)."""
+    def run_queue_and_slices(self) -> tuple[int, int | None]:
+        """This thread's cumulative run-queue wait in ns and times scheduled in (schedstat's second and third
+        fields; None where the kernel gives two)."""
         raw = self.read()
-        return int(raw.split()[1]) if raw else 0
+        if not raw:
+            return 0, None
+        fields = raw.split()
+        return int(fields[1]), int(fields[2]) if len(fields) > 2 else None
 
     def read(self) -> Any:
         try:

@@ -5,8 +5,11 @@ the exporter joins them to each trace's window (``exporter.signals``).
 GIL pressure: the sampler thread sleeps ``period`` and records how late it woke up, minus its own run-queue
 time over the sleep (the OS's share of the delay on a busy or oversubscribed host, kept as a series of its
 own), leaving the wait for the GIL. A CPU-bound Python thread holding the GIL makes it wait up to the switch
-interval (5 ms); with the GIL free the remainder is ~0.1 ms. Event-loop lag: a task on each instrumented
-loop does the same with ``asyncio.sleep``.
+interval (5 ms). A wait for the GIL sleeps on the GIL's condition and ends with the thread scheduled in
+again, so a wake-up scheduled in only once (the timer's) waited for no GIL whatever its lag, and reads zero:
+timer slack and a virtual machine's stolen time (no run-queue time on these kernels) stay out of GIL
+pressure. (A stopped and continued process is woken by the signals: that lag still reads as a wait.)
+Event-loop lag: a task on each instrumented loop does the same with ``asyncio.sleep``.
 """
 
 from __future__ import annotations
@@ -59,6 +62,13 @@ class SampleBuffer(DrainQueue[tuple[int, float]]):
 
     def add(self, value: float) -> None:
         self._items.append((time.time_ns(), value))
+
+
+def waited_for_no_gil(slices_before: int | None, slices_after: int | None) -> bool:
+    """Whether the GIL monitor's thread, scheduled in ``slices_after - slices_before`` times over a wake-up,
+    cannot have waited for the GIL: its timer's wake-up is one, and a wait for the GIL (asleep on the GIL's
+    condition until a holder lets go) or a preemption another. Unknown counts (a kernel without them): False."""
+    return slices_before is not None and slices_after is not None and slices_after - slices_before <= 1
 
 
 class ProcessReadSchedule:
@@ -130,14 +140,14 @@ class GilPressureMonitor:
     def _run(self) -> None:
         period = self.period_s
         cpu = CpuSignals()
-        run_queue = cpu.run_queue_ns if cpu.schedstat and cpu._pread is not None else None
-        process = ProcessSchedTotals(threading.get_native_id()) if run_queue else None
+        reading = cpu.run_queue_and_slices if cpu.schedstat and cpu._pread is not None else None
+        process = ProcessSchedTotals(threading.get_native_id()) if reading else None
         self._process = process if process is not None and process.available else None
         in_flight, wake = self._in_flight, self.wake
         # Each wake-up's lag runs from the end of the previous one, so that it also counts the GIL waits of
         # the loop's own few lines: under heavy contention each of them can wait a switch interval, and a
         # lag timed from just before the sleep would leave those stretches (tens of ms) in no sample.
-        rq0, t0 = 0, 0
+        rq0, slices0, t0 = 0, None, 0
         schedule = ProcessReadSchedule()
         while not self._stop.is_set():
             if in_flight is not None and not in_flight():
@@ -150,7 +160,7 @@ class GilPressureMonitor:
                 schedule.restart()
                 continue
             if not t0:
-                rq0 = run_queue() if run_queue else 0
+                rq0, slices0 = reading() if reading else (0, None)
                 t0 = _perf_ns()
             read_ns = 0
             if self._process is not None and schedule.due():
@@ -162,18 +172,23 @@ class GilPressureMonitor:
             t1 = _perf_ns()
             lag_ns = t1 - t0 - period * 1e9
             rq_ns = 0
-            if run_queue:
+            if reading:
                 # The OS's part of the delay (waiting for a CPU after the timer fired) is this thread's
-                # run-queue time; what remains is the wait for the GIL.
-                rq1 = run_queue()
+                # run-queue time; what remains is the wait for the GIL, if it slept on the GIL at all.
+                rq1, slices1 = reading()
                 rq_ns = rq1 - rq0
                 lag_ns -= rq_ns
                 self.run_queue.add(max(0.0, rq_ns / 1e6))
-                rq0 = rq1
+                gil_ns = 0.0 if waited_for_no_gil(slices0, slices1) else lag_ns
+                rq0, slices0 = rq1, slices1
+            else:
+                gil_ns = lag_ns
             t0 = t1
-            self.series.add(max(0.0, lag_ns / 1e6))
+            self.series.add(max(0.0, gil_ns / 1e6))
             self.last_wake_ns = time.time_ns()
-            # (the reading's own time is in this lag, and must not make the next wake-up read again)
+            # Any lateness brings the next reading of the totals forward (a stage's bounds are read between
+            # the readings around it: a quiet stretch read only every few wake-ups would widen them); the
+            # reading's own time is in this lag, and must not make the next wake-up read again.
             schedule.woke(lag_ns - read_ns, rq_ns)
         self._process = None
         if process is not None:

@@ -142,7 +142,7 @@ def sampler_mean_ms(
     ``min_samples`` periods or more between them, or one of them waited ``proof_ms`` (for the GIL: a whole
     switch interval, which only a holder running Python through its interval makes a waiter wait).
 
-    A woken sampler either gets the GIL at once (~0.1 ms) or waits out a holder's switch interval (5 ms), so
+    A woken sampler either gets the GIL at once (reads zero) or waits out a holder's switch interval (5 ms), so
     a few wake-ups already tell contention from a free GIL; one or two do not, and then the verdict does not
     guess between GIL contention and a lock wait. Only the request's own window counts: a look-back before
     it read a neighbour's load (a server's start-up, another request's burst) as this request's contention.
