@@ -59,7 +59,7 @@ Check = Callable[[TraceAnalysis, Stages, TraceSignals, DiagnosisThresholds], Fin
 class Signal(enum.Enum):
     """What a rule cannot fire without; ``diagnose`` skips the rule for a trace that lacks it."""
 
-    STAGE_CPU = "per-stage CPU readings (schedstat or the thread's CPU clock)"
+    STAGE_CPU = "per-stage CPU readings (schedstat or the thread's CPU clock) on a CPU stage of min_stage_ms or more"
     GPU_UTILIZATION = "NVML utilisation over the trace"
     STREAM = "a streamed response"
 
@@ -563,9 +563,14 @@ UNDETERMINED_BETWEEN: Mapping[str, tuple[str, ...]] = {
 }
 
 
-def _available(stages: Sequence[StageLike], signals: TraceSignals) -> frozenset[Signal]:
+def _available(stages: Sequence[StageLike], signals: TraceSignals, th: DiagnosisThresholds) -> frozenset[Signal]:
     have = set()
-    if any(s.blocked_ms is not None or s.runqueue_ms is not None for s in stages):
+    # The per-stage CPU rules judge only CPU stages of min_stage_ms or more (``causes.cpu_stages``): a trace
+    # of short stages skips all four, as most traces do.
+    if any(
+        (s.blocked_ms is not None or s.runqueue_ms is not None) and s.kind == "cpu" and s.wall_ms >= th.min_stage_ms
+        for s in stages
+    ):
         have.add(Signal.STAGE_CPU)
     if signals.gpu_utilization is not None:
         have.add(Signal.GPU_UTILIZATION)
@@ -590,7 +595,7 @@ def diagnose(
         in_request = [s for s, charged in zip(stages, analysis.charged_ms) if charged is not None]
     else:
         in_request = list(stages)
-    have = _available(in_request, signals)
+    have = _available(in_request, signals, thresholds)
     found = []
     for rule in RULES:
         if not rule.requires <= have:
