@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import stagetrace
-from stagetrace.analysis import Verdict
+from stagetrace.analysis import DiagnosisThresholds, Verdict
 
 
 @dataclass
@@ -187,12 +187,18 @@ def lock_held_across_gil_free_work() -> Workload:
     return Workload(app, "/pack")
 
 
-def waited_for_the_other_request(v: Verdict) -> bool:
-    return v.breakdown.get("pack", 0.0) >= 25.0  # 20 ms of its own work: 5 ms or more behind the other's
+def waited_enough_to_matter(stage: str, work_ms: float) -> Callable[[Verdict], bool]:
+    """Whether a request's ``stage``, of ``work_ms`` of its own work, waited long enough that the rules call the
+    wait significant: ``blocked_min_ms`` and ``blocked_share`` of the stage (the thresholds' defaults). A
+    shorter wait is one the rules rightly stay silent on (a 20 ms stage that waited 5.2 ms, 21 % of it), so
+    counting it as lived would measure the thresholds, not whether the cause is told."""
+    th = DiagnosisThresholds()
+    floor_ms = max(work_ms + th.blocked_min_ms, work_ms / (1 - th.blocked_share))
+    return lambda v: v.breakdown.get(stage, 0.0) >= floor_ms
 
 
-def waited_for_the_gil(v: Verdict) -> bool:
-    return v.breakdown.get("tokenize", 0.0) >= 25.0  # 20 ms of Python's CPU: 5 ms or more waiting
+waited_for_the_other_request = waited_enough_to_matter("pack", 20.0)  # behind the other request's lock
+waited_for_the_gil = waited_enough_to_matter("tokenize", 20.0)  # 20 ms of Python's CPU, then the GIL's waits
 
 
 # --- CPU_OVERSUBSCRIBED --------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ CLASSIFIER_THRESHOLDS = (
     "cpu_pressure_ms",
     "gil_held_ms",
     "gil_over_cpu",
+    "holders_queued_share",
 )
 
 
@@ -99,6 +100,17 @@ def proven_not_gil(s: StageLike, th: DiagnosisThresholds) -> bool:
     return at_least(s.not_gil_ms, th.blocked_min_ms, th.blocked_share, s)
 
 
+def holders_preempted(s: StageLike, th: DiagnosisThresholds) -> bool | None:
+    """Whether the process's other threads, the only ones that can have held the GIL the stage waited for,
+    spent at least ``holders_queued_share`` of their time meanwhile in the run queue (None: not read). A holder
+    the scheduler preempts keeps the GIL while it queues; holders that mostly ran held it through their switch
+    intervals, and the GIL monitor's free or whole-interval readings stand for them."""
+    if s.others_cpu_ms is None or s.others_runqueue_ms is None:
+        return None
+    others_ms = s.others_cpu_ms + s.others_runqueue_ms
+    return others_ms > 0 and s.others_runqueue_ms >= th.holders_queued_share * others_ms
+
+
 def blocked_ms(s: StageLike) -> float:
     return s.blocked_ms or 0.0
 
@@ -157,14 +169,18 @@ def blocked_cause(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> B
     on it, and the one made to drop the GIL waits, untimed, for a successor stuck in the run queue:
 
     - PREEMPTED_HOLDERS: waits as short as GIL waits; CPU_OVERSUBSCRIBED's cause and remedy, not GIL
-      contention's. Always when the stage's own wake-ups queued for a CPU (the GIL monitor, a sleeper the
-      scheduler favours, queues less than the threads beside it); when only the GIL monitor's did, unless its
-      GIL waits were a whole switch interval and far longer than its waits for a CPU (holders running
-      Python through their interval): then GIL, as it is on a host a little short of CPUs.
+      contention's. When the stage's own wake-ups queued for a CPU (the GIL monitor, a sleeper the scheduler
+      favours, queues less than the threads beside it), or only the GIL monitor's did; unless its GIL waits
+      were a whole switch interval and far longer than its waits for a CPU while the other threads, the
+      would-be holders, mostly ran rather than queued (``holders_preempted``): holders running Python
+      through their interval, GIL contention, as it is on a host a little short of CPUs.
 
     - LOCK: the GIL monitor found the GIL free: a holder the scheduler preempted keeps the GIL and would have
       held the GIL monitor's wake-ups back too (the stage's own wait for a CPU is its run-queue time, named
-      CPU_OVERSUBSCRIBED on its own when it is long).
+      CPU_OVERSUBSCRIBED on its own when it is long). Its wake-ups sample the GIL every few ms, though, and
+      miss holders that take it briefly: when the waits were as short as GIL waits and the other threads
+      queued for a CPU much of their time, brief holders preempted explain them as well as a lock does, and
+      the cause is UNDETERMINED.
 
     Unless preemption cannot account for it: every wait on a preempted holder, or on the GIL handed to a
     thread still queued for a CPU, is run-queue time of another thread of the process, so when the blocked
@@ -187,17 +203,18 @@ def blocked_cause(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> B
     proven = proven_not_gil(s, th)
     gil_like = at_least(gil_explainable_ms(s), th.blocked_min_ms, th.blocked_share, s)
     pressure = sig.gil_pressure_ms
-    # A GIL the GIL monitor found free was neither held nor with a holder the scheduler had preempted.
+    # A GIL the GIL monitor found free was neither held nor with a holder the scheduler had preempted (one that
+    # took it only briefly may have slipped between its wake-ups).
     free = pressure is not None and pressure < th.gil_free_ms
     if free:
-        return LOCK
+        return UNDETERMINED if not proven and holders_preempted(s, th) else LOCK
     if proven or not gil_like:
         return UNDETERMINED
-    if queued_for_cpu(s, th):
-        return PREEMPTED_HOLDERS
     held = (
         pressure is not None and pressure >= th.gil_held_ms and pressure >= th.gil_over_cpu * (sig.cpu_pressure_ms or 0)
     )
+    if queued_for_cpu(s, th) and not (held and holders_preempted(s, th) is False):
+        return PREEMPTED_HOLDERS
     if held:
         return GIL
     return PREEMPTED_HOLDERS if host_out_of_cpus(sig, th) else UNDETERMINED

@@ -25,6 +25,7 @@ from stagetrace.analysis.causes import (
     cpus_to_spare,
     gil_explainable_ms,
     host_out_of_cpus,
+    holders_preempted,
     others_too_idle_for_gil,
     proven_not_gil,
     short_of_cpus,
@@ -166,6 +167,11 @@ def off_cpu_wait(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: Diagno
             f"the host was short of CPUs meanwhile (its own run-queue wait {s.runqueue_ms or 0.0:.1f} ms{cpu_wait}), "
             "and there a wait can be for a GIL holder the scheduler preempted"
         )
+        if holders_preempted(s, th):
+            why += (
+                f": the process's other threads, the GIL's would-be holders, waited {s.others_runqueue_ms or 0.0:.1f} "
+                f"ms for a CPU beside {s.others_cpu_ms or 0.0:.1f} ms on one"
+            )
     elif pressure is None:
         why = "the request spanned too few GIL-monitor wake-ups to measure GIL pressure"
     else:

@@ -33,6 +33,9 @@ class DiagnosisThresholds:
     cpu_pressure_ms: float = 2.0
     gil_held_ms: float = 5.0
     gil_over_cpu: float = 2.0
+    # From this share of their time in the run queue, the process's other threads (the GIL's would-be holders)
+    # count as preempted while holding it: short GIL-like waits may be theirs, whatever the GIL monitor read.
+    holders_queued_share: float = 0.5
     runqueue_share: float = 0.30
     runqueue_min_ms: float = 5.0  # a few ms waiting for a CPU on a busy host is not actionable
     event_loop_stage_ms: float = 20.0
