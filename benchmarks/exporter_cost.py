@@ -11,7 +11,9 @@ then replayed into a fresh ``ExporterCore`` as the exporter process feeds it (``
 messages), with stagetrace's metric aggregation behind an SDK reader:
 
   verdict    every trace analysed, diagnosed and counted in the metrics, none kept (the diagnosis
-             thresholds silent, no healthy share): what every trace costs the exporter;
+             thresholds silent, no healthy share): what every trace costs the exporter (its
+             stages are short, so the four per-stage CPU rules are skipped, as in a service below
+             saturation; at saturation stages stretch past ``min_stage_ms`` and they run);
   exported   every trace also kept (healthy share 1.0, no export budget), its spans built and encoded to
              OTLP/HTTP protobuf bytes (not sent): what a kept trace costs on top.
 

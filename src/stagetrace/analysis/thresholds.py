@@ -59,9 +59,10 @@ class DiagnosisThresholds:
 
     @classmethod
     def silent(cls) -> DiagnosisThresholds:
-        """Thresholds no trace reaches: every rule is evaluated and none fires. For measuring what the
-        analysis costs a healthy service on a host that would rightly diagnose it (a benchmark under
-        valgrind, a test beside a CPU hog)."""
+        """Thresholds no trace reaches: none fires, and every rule is evaluated but the four per-stage CPU
+        rules, which only judge stages of at least ``min_stage_ms`` and so are skipped as on a trace of short
+        stages. For measuring what the analysis costs a healthy service on a host that would rightly diagnose
+        it (a benchmark under valgrind, a test beside a CPU hog)."""
         return cls(
             min_stage_ms=math.inf,
             gpu_starved_utilization=-1.0,

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-# A woken thread is off-CPU a little past its timer (timer slack, the wake-up path): the margin added to the
-# GIL's switch interval before an off-CPU stretch counts as longer than any wait for the GIL.
-GIL_WAIT_MARGIN_MS = 0.5
+# A woken thread is off-CPU a little past its timer (timer slack, the wake-up path) and, in a GIL handoff, past
+# the other thread's wake-up on another CPU, which on a virtual machine can take most of a millisecond
+# (measured: a pure-Python stage beside a thread spinning in Python, 35.5 ms blocked in 6 schedulings, 5.9 ms a
+# stretch, on one VM for minutes at a time; a 0.5 ms margin proved 8 ms of it "not the GIL"). The margin added
+# to the GIL's switch interval before an off-CPU stretch counts as longer than any wait for the GIL.
+GIL_WAIT_MARGIN_MS = 1.5
 
 
 def schedstat_delta(start: bytes, end: bytes) -> tuple[float, float, int | None]:
