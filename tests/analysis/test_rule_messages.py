@@ -265,6 +265,17 @@ def test_gil_waits_while_the_host_was_out_of_cpus_are_the_oversubscriptions_too(
     assert set(run([pair], total_ms=36, signals=near)) == {"CPU_OVERSUBSCRIBED"}  # not whole intervals
     pair.others_runqueue_ms = 78.3  # half their time queued: preempted holders
     assert set(run([pair], total_ms=36, signals=measured)) == {"CPU_OVERSUBSCRIBED"}
+    # Only the GIL monitor's wake-ups waited for a CPU, the stage barely did, and its other threads mostly ran:
+    # no holder was preempted for long, and a GIL reading between free and contended tells nothing (measured:
+    # a lock held across zlib work, 22.3 ms blocked, the GIL monitor at 0.67 ms and 2.6 ms for a CPU, the other
+    # threads queued 26 ms beside 79 ms on a CPU, was named CPU_OVERSUBSCRIBED)
+    pack = cpu("pack", 0, 35.8, cpu_ms=13.1, blocked_ms=22.3, runqueue_ms=0.3, not_gil_ms=0.0)
+    between = TraceSignals(gil_pressure_ms=0.67, cpu_pressure_ms=2.56)
+    assert set(run([pack], total_ms=43, signals=between)) == {"CPU_OVERSUBSCRIBED"}  # not read: as before
+    pack.others_cpu_ms, pack.others_runqueue_ms = 79.4, 26.0
+    assert set(run([pack], total_ms=43, signals=between)) == {"OFF_CPU_WAIT"}
+    pack.others_runqueue_ms = 80.0
+    assert set(run([pack], total_ms=43, signals=between)) == {"CPU_OVERSUBSCRIBED"}
     assert set(run(stage, total_ms=40, signals=near)) == {"CPU_OVERSUBSCRIBED"}
 
 

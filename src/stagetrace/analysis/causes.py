@@ -173,7 +173,9 @@ def blocked_cause(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> B
       favours, queues less than the threads beside it), or only the GIL monitor's did; unless its GIL waits
       were a whole switch interval and far longer than its waits for a CPU while the other threads, the
       would-be holders, mostly ran rather than queued (``holders_preempted``): holders running Python
-      through their interval, GIL contention, as it is on a host a little short of CPUs.
+      through their interval, GIL contention, as it is on a host a little short of CPUs. When only the GIL
+      monitor's wake-ups queued and the other threads mostly ran, no holder was preempted for long:
+      UNDETERMINED, unless the GIL monitor read whole intervals (GIL).
 
     - LOCK: the GIL monitor found the GIL free: a holder the scheduler preempted keeps the GIL and would have
       held the GIL monitor's wake-ups back too (the stage's own wait for a CPU is its run-queue time, named
@@ -217,7 +219,9 @@ def blocked_cause(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> B
         return PREEMPTED_HOLDERS
     if held:
         return GIL
-    return PREEMPTED_HOLDERS if host_out_of_cpus(sig, th) else UNDETERMINED
+    # Only the GIL monitor's wake-ups waited long for a CPU: preempted holders, unless the other threads
+    # were read and mostly ran.
+    return PREEMPTED_HOLDERS if host_out_of_cpus(sig, th) and holders_preempted(s, th) is not False else UNDETERMINED
 
 
 # The part of a blocked stage's time each cause accounts for (what ranks the stages of one cause).
