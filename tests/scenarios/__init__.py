@@ -9,6 +9,6 @@ from __future__ import annotations
 
 from scenarios.collect import Collector
 from scenarios.corpus import SCENARIOS, Scenario, Workload
-from scenarios.run import Outcome, run_once
+from scenarios.run import Outcome, run_in_own_process, run_once
 
-__all__ = ["SCENARIOS", "Collector", "Outcome", "Scenario", "Workload", "run_once"]
+__all__ = ["SCENARIOS", "Collector", "Outcome", "Scenario", "Workload", "run_in_own_process", "run_once"]

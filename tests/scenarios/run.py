@@ -4,14 +4,18 @@ verdicts say measured against what the scenario's requests lived."""
 from __future__ import annotations
 
 import gc
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import stagetrace
 from scenarios.corpus import Scenario
-from servers import hit, serve
+from servers import exported_spans, hit, own_process_server, serve
 from stagetrace.analysis import Verdict
 from stagetrace.analysis.diagnosis import UNDETERMINED_BETWEEN
+from stagetrace.report.loader import Span
+from stagetrace.report.traces import verdict_for_trace
 
 
 @dataclass(frozen=True)
@@ -66,3 +70,43 @@ def run_once(scenario: Scenario, verdicts: Callable[[int], list[Verdict]]) -> Ou
     if len(got) != scenario.requests:
         raise RuntimeError(f"{scenario.name}: {len(got)} verdicts for {scenario.requests} requests")
     return judge(scenario, got)
+
+
+def run_in_own_process(scenario: Scenario, out_dir: Path) -> tuple[Outcome, list[Span]]:
+    """``run_once`` with the scenario's app served by uvicorn in a process of its own
+    (``scenarios.own_process_app``), as a deployed service is: no thread of the harness shares its GIL. Its
+    spans are written to ``out_dir`` and the verdicts read back from them (``report.traces``), the warm-up
+    request left out. Returns the outcome and the spans (for explaining a misread verdict)."""
+    # benchmarks/harness.py, on the path of the suite and the benchmarks but not of the server process, which
+    # imports this package for its corpus
+    from harness import free_port, terminate, wait_for_port
+
+    port = free_port()
+    server = own_process_server(
+        ["-m", "uvicorn", "scenarios.own_process_app:app", "--host", "127.0.0.1", "--port", str(port)],
+        out_dir,
+        STAGETRACE_SCENARIO=scenario.name,
+    )
+    path = scenario.build().path
+    try:
+        wait_for_port(port, server)
+        base = f"http://127.0.0.1:{port}"
+        if hit(base, path, 1, 1) != [200]:
+            raise RuntimeError(f"{scenario.name}: the warm-up request failed")
+        statuses = hit(base, path, scenario.requests, scenario.concurrency)
+    finally:
+        terminate(server, timeout_s=30)  # a graceful shutdown flushes every trace to out_dir
+    if statuses != [200] * scenario.requests:
+        raise RuntimeError(f"{scenario.name}: statuses {statuses}")
+    spans = exported_spans(out_dir)
+    traces: dict[str, list[Span]] = defaultdict(list)
+    for span in spans:
+        traces[span.trace_id].append(span)
+    verdicts = sorted(
+        (verdict_for_trace(trace, float("inf")) for trace in traces.values()),
+        key=lambda v: min(s.start_ns for s in traces[v.trace_id]),
+    )
+    got = [v for v in verdicts if v.route == path][1:]  # the first is the warm-up
+    if len(got) != scenario.requests:
+        raise RuntimeError(f"{scenario.name}: {len(got)} verdicts for {scenario.requests} requests")
+    return judge(scenario, got), spans
