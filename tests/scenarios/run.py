@@ -64,9 +64,13 @@ def run_once(scenario: Scenario, verdicts: Callable[[int], list[Verdict]]) -> Ou
         if hit(base, workload.path, 1, 1) != [200] or len(verdicts(1)) != 1:
             raise RuntimeError(f"{scenario.name}: the warm-up request failed")
         statuses = hit(base, workload.path, scenario.requests, scenario.concurrency)
+    return _judged(scenario, statuses, [v for v in verdicts(1 + scenario.requests)[1:] if v.route == workload.path])
+
+
+def _judged(scenario: Scenario, statuses: list[int], got: list[Verdict]) -> Outcome:
+    """The run's outcome, once every request answered and every one of them has its verdict."""
     if statuses != [200] * scenario.requests:
         raise RuntimeError(f"{scenario.name}: statuses {statuses}")
-    got = [v for v in verdicts(1 + scenario.requests)[1:] if v.route == workload.path]
     if len(got) != scenario.requests:
         raise RuntimeError(f"{scenario.name}: {len(got)} verdicts for {scenario.requests} requests")
     return judge(scenario, got)
@@ -96,8 +100,6 @@ def run_in_own_process(scenario: Scenario, out_dir: Path) -> tuple[Outcome, list
         statuses = hit(base, path, scenario.requests, scenario.concurrency)
     finally:
         terminate(server, timeout_s=30)  # a graceful shutdown flushes every trace to out_dir
-    if statuses != [200] * scenario.requests:
-        raise RuntimeError(f"{scenario.name}: statuses {statuses}")
     spans = exported_spans(out_dir)
     traces: dict[str, list[Span]] = defaultdict(list)
     for span in spans:
@@ -107,6 +109,4 @@ def run_in_own_process(scenario: Scenario, out_dir: Path) -> tuple[Outcome, list
         key=lambda v: min(s.start_ns for s in traces[v.trace_id]),
     )
     got = [v for v in verdicts if v.route == path][1:]  # the first is the warm-up
-    if len(got) != scenario.requests:
-        raise RuntimeError(f"{scenario.name}: {len(got)} verdicts for {scenario.requests} requests")
-    return judge(scenario, got), spans
+    return _judged(scenario, statuses, got), spans
