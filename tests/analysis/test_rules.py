@@ -368,3 +368,29 @@ def test_each_threshold_on_both_sides(code, below, sig_below, at, sig_at):
 def test_event_loop_blocked_is_never_about_a_gpu_stage():
     gpu_on_loop = [StageSample("infer", "gpu", 0, 40 * MS, gpu_ms=40, on_event_loop=True)]
     assert "EVENT_LOOP_BLOCKED" not in run(gpu_on_loop)
+
+
+def test_the_cpu_rules_classify_each_stage_once_a_trace_and_name_what_they_named_alone(monkeypatch):
+    """Four rules read each CPU stage's blocked cause; ``diagnose`` classifies it once for all of them. The
+    memo must not change a verdict: each rule run alone on the plain stages names the same stage."""
+    from stagetrace.analysis import causes, diagnosis
+
+    stages = [
+        cpu("gil", 0, 30, blocked_ms=20, runqueue_ms=0.5, cpu_ms=9.5),
+        cpu("lock", 30, 60, blocked_ms=20, runqueue_ms=0.5, cpu_ms=9.5, not_gil_ms=18),
+        cpu("queued", 60, 90, blocked_ms=4, runqueue_ms=20, cpu_ms=6),
+    ]
+    signals = TraceSignals(gil_pressure_ms=5)
+    classified = []
+    real = causes.blocked_cause
+    counting = lambda s, sig, th: classified.append(s.name) or real(s, sig, th)  # noqa: E731
+    monkeypatch.setattr(causes, "blocked_cause", counting)
+    monkeypatch.setattr(diagnosis, "blocked_cause", counting, raising=False)  # wherever a rule reads it from
+    found = run(stages, signals=signals)
+    assert sorted(classified) == ["gil", "lock", "queued"]
+    assert {"GIL_CONTENTION", "LOCK_OR_IO_WAIT", "CPU_OVERSUBSCRIBED"} <= set(found)
+    analysis = analyse_trace(0, 100 * MS, stages, 200)
+    for rule in diagnosis.RULES:
+        if rule.code in found:
+            alone = rule.check(analysis, stages, signals, DiagnosisThresholds())
+            assert alone is not None and alone.stage == found[rule.code].stage, rule.code

@@ -224,6 +224,36 @@ def blocked_cause(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> B
     return PREEMPTED_HOLDERS if host_out_of_cpus(sig, th) and holders_preempted(s, th) is not False else UNDETERMINED
 
 
+class JudgedStages(list[StageLike]):
+    """A trace's stages as ``diagnose`` hands them to its rules, with each CPU stage's blocked cause
+    classified once, on first use, for the signals and thresholds it was made with: four rules
+    (GIL_CONTENTION, LOCK_OR_IO_WAIT, OFF_CPU_WAIT, CPU_OVERSUBSCRIBED) read the same classification, and at
+    saturation, where every trace's stages are long and blocked enough for them all to run, classifying four
+    times over was the largest part of a verdict."""
+
+    __slots__ = ("_causes", "signals", "thresholds")
+
+    def __init__(self, stages: Sequence[StageLike], signals: TraceSignals, thresholds: DiagnosisThresholds) -> None:
+        super().__init__(stages)
+        self.signals, self.thresholds = signals, thresholds
+        self._causes: list[tuple[StageLike, BlockedCause | None]] | None = None
+
+    def causes(self) -> list[tuple[StageLike, BlockedCause | None]]:
+        if self._causes is None:
+            sig, th = self.signals, self.thresholds
+            self._causes = [(s, blocked_cause(s, sig, th)) for s in cpu_stages(self, th)]
+        return self._causes
+
+
+def blocked_causes(
+    stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds
+) -> list[tuple[StageLike, BlockedCause | None]]:
+    """Each CPU stage a per-stage rule judges, with its blocked cause (None: not blocked enough to matter)."""
+    if isinstance(stages, JudgedStages) and stages.signals is sig and stages.thresholds is th:
+        return stages.causes()
+    return [(s, blocked_cause(s, sig, th)) for s in cpu_stages(stages, th)]
+
+
 # The part of a blocked stage's time each cause accounts for (what ranks the stages of one cause).
 EXPLAINED_BY: dict[BlockedCause, Callable[[StageLike], float]] = {
     LOCK: blocked_ms,

@@ -20,8 +20,8 @@ from stagetrace.analysis.causes import (
     PREEMPTED_HOLDERS,
     UNDETERMINED,
     BlockedCause,
-    blocked_cause,
-    cpu_stages,
+    JudgedStages,
+    blocked_causes,
     cpus_to_spare,
     gil_explainable_ms,
     holders_preempted,
@@ -119,7 +119,7 @@ def _blocked_for(
     cause: BlockedCause, stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds
 ) -> StageLike | None:
     """The stage blocked longest for ``cause`` (by the part of its blocked time that cause explains)."""
-    hits = [s for s in cpu_stages(stages, th) if blocked_cause(s, sig, th) == cause]
+    hits = [s for s, its in blocked_causes(stages, sig, th) if its == cause]
     return max(hits, key=EXPLAINED_BY[cause]) if hits else None
 
 
@@ -191,8 +191,8 @@ def cpu_oversubscribed(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: 
     preempted (``PREEMPTED_HOLDERS``); the stage that lost the most of the two is named."""
     hits = [
         (s, preempted)
-        for s in cpu_stages(stages, th)
-        if (preempted := blocked_cause(s, sig, th) == PREEMPTED_HOLDERS) or waited_for_cpu(s, th)
+        for s, cause in blocked_causes(stages, sig, th)
+        if (preempted := cause == PREEMPTED_HOLDERS) or waited_for_cpu(s, th)
     ]
     if not hits:
         return None
@@ -601,6 +601,7 @@ def diagnose(
         in_request = [s for s, charged in zip(stages, analysis.charged_ms) if charged is not None]
     else:
         in_request = list(stages)
+    in_request = JudgedStages(in_request, signals, thresholds)
     have = _available(in_request, signals, thresholds)
     found = []
     for rule in RULES:
