@@ -636,3 +636,38 @@ time.sleep(0.6)  # asleep: the GIL is free
 sampler.stop()
 print(json.dumps([lag for _, lag in sampler.series.drain()]))
 """
+
+
+def pairwise_reference(batches: list[tuple[object, ...]]) -> tuple[list[int], list[float]]:
+    """extend_flat's contract, a pair at a time: malformed pairs, and pairs older than the last kept, skipped."""
+    times: list[int] = []
+    values: list[float] = []
+    for flat in batches:
+        for t, v in zip(flat[0::2], flat[1::2]):
+            if isinstance(t, int) and isinstance(v, (int, float)) and not (times and t < times[-1]):
+                times.append(t)
+                values.append(float(v))
+    return times, values
+
+
+_sample_time = st.one_of(st.integers(0, 50), st.sampled_from([True, "7", None, 3.0]))
+_sample_value = st.one_of(st.integers(0, 9), st.floats(0, 9), st.sampled_from([False, "x", None]))
+
+
+@given(st.lists(st.lists(st.one_of(_sample_time, _sample_value), max_size=9).map(tuple), max_size=6))
+def test_a_series_keeps_every_well_formed_pair_in_order_whatever_the_batches_hold(batches):
+    """Batches as the samplers ship them take a fast path; any batch with a malformed or out-of-order pair
+    (or an odd length) is read a pair at a time. Both keep exactly what the pairwise contract keeps."""
+    s = LagSeries()
+    for flat in batches:
+        s.extend_flat(flat)
+    assert (s.times, s.values) == pairwise_reference(batches)
+    assert all(type(v) is float for v in s.values)
+
+
+def test_a_full_series_drops_its_oldest_half_on_either_path():
+    fast, checked = LagSeries(max_samples=8), LagSeries(max_samples=8)
+    for i in range(5):
+        fast.extend_flat((2 * i, 1.0, 2 * i + 1, 2.0))
+        checked.extend_flat((2 * i, 1.0, 2 * i + 1, 2.0, "malformed"))
+    assert fast.times == checked.times == [6, 7, 8, 9]

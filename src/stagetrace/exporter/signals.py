@@ -88,6 +88,10 @@ def cumulative_change(series: LagSeries, start_ns: int, end_ns: int) -> float | 
     return max(0.0, values[after] - values[before])
 
 
+_INTS = frozenset({int})
+_NUMBERS = frozenset({int, float})
+
+
 class LagSeries:
     """(epoch ns, lag ms) samples, bounded by trimming the oldest half when full, so that a window query
     is a bisect plus a slice."""
@@ -103,6 +107,26 @@ class LagSeries:
     def extend_flat(self, flat: Sequence[Any]) -> None:
         """``(t0, v0, t1, v1, ...)`` as shipped; out-of-order or malformed pairs are skipped."""
         times, values = self._times, self._values
+        new_times, new_values = flat[0::2], flat[1::2]
+        if (
+            len(new_times) == len(new_values)
+            and _INTS.issuperset(map(type, new_times))
+            and _NUMBERS.issuperset(map(type, new_values))
+            and (not times or not new_times or new_times[0] >= times[-1])
+            and all(map(int.__le__, new_times, new_times[1:]))
+        ):
+            # As the samplers ship them, every wake-up of each (one message a series a helper-thread pass):
+            # checked and appended in C, not a pair at a time.
+            times.extend(new_times)
+            values.extend(map(float, new_values))
+        else:
+            self._extend_checked(flat)
+        if len(times) > self._max:
+            half = len(times) - self._max // 2
+            del times[:half], values[:half]
+
+    def _extend_checked(self, flat: Sequence[Any]) -> None:
+        times, values = self._times, self._values
         for i in range(0, len(flat) - 1, 2):
             t, v = flat[i], flat[i + 1]
             if not isinstance(t, int) or not isinstance(v, (int, float)):
@@ -111,9 +135,6 @@ class LagSeries:
                 continue
             times.append(t)
             values.append(float(v))
-        if len(times) > self._max:
-            half = len(times) - self._max // 2
-            del times[:half], values[:half]
 
     @property
     def times(self) -> list[int]:
