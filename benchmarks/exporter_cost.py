@@ -100,6 +100,7 @@ def replay(path: str, mode: str, passes: int, rounds: int = 1) -> list[float]:
     from stagetrace.exporter.core import ExporterCore
     from stagetrace.exporter.otlp_encoding import TraceRequestEncoder
     from stagetrace.exporter.outputs import LocalOutputs
+    from stagetrace.exporter.signals import LagSeries
     from stagetrace.settings import Settings
 
     with open(path, "rb") as f:
@@ -112,7 +113,7 @@ def replay(path: str, mode: str, passes: int, rounds: int = 1) -> list[float]:
         starved.update(signature_budget_per_s=1e-9, signature_budget_burst=1.0)
         settings = Settings(healthy_sample=0.0, slow_threshold_ms=1e9, **starved)
     else:
-        settings = Settings(healthy_sample=1.0, export_budget_per_s=None)
+        settings = Settings(healthy_sample=1.0, export_budget_per_s=None, slow_threshold_ms=1e9)
     resource = Resource.create({"service.name": "bench"})
     metrics = AggregatedMetrics(resource, settings.max_stage_names)
     reader = InMemoryMetricReader()
@@ -137,6 +138,9 @@ def replay(path: str, mode: str, passes: int, rounds: int = 1) -> list[float]:
 
     def run(n: int) -> None:
         for _ in range(n):
+            # Each pass replays the same sampler readings: into fresh series, as a live exporter takes new ones
+            # (older than the last kept, they would be skipped as out of order).
+            core.series.update((name, LagSeries()) for name in core.series)
             for frame in frames:
                 for msg in marshal.loads(frame):
                     core.handle_or_count(msg)
