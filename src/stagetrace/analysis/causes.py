@@ -224,6 +224,9 @@ def blocked_cause(s: StageLike, sig: TraceSignals, th: DiagnosisThresholds) -> B
     return PREEMPTED_HOLDERS if host_out_of_cpus(sig, th) and holders_preempted(s, th) is not False else UNDETERMINED
 
 
+StageCauses = tuple[tuple[StageLike, BlockedCause | None], ...]  # each CPU stage a rule judges, and its cause
+
+
 class JudgedStages(list[StageLike]):
     """A trace's stages as ``diagnose`` hands them to its rules, with each CPU stage's blocked cause
     classified once, on first use, for the signals and thresholds it was made with: four rules
@@ -236,22 +239,22 @@ class JudgedStages(list[StageLike]):
     def __init__(self, stages: Sequence[StageLike], signals: TraceSignals, thresholds: DiagnosisThresholds) -> None:
         super().__init__(stages)
         self.signals, self.thresholds = signals, thresholds
-        self._causes: list[tuple[StageLike, BlockedCause | None]] | None = None
+        self._causes: StageCauses | None = None
 
-    def causes(self) -> list[tuple[StageLike, BlockedCause | None]]:
+    def causes(self) -> StageCauses:
         if self._causes is None:
             sig, th = self.signals, self.thresholds
-            self._causes = [(s, blocked_cause(s, sig, th)) for s in cpu_stages(self, th)]
+            self._causes = tuple((s, blocked_cause(s, sig, th)) for s in cpu_stages(self, th))
         return self._causes
 
 
-def blocked_causes(
-    stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds
-) -> list[tuple[StageLike, BlockedCause | None]]:
-    """Each CPU stage a per-stage rule judges, with its blocked cause (None: not blocked enough to matter)."""
+def blocked_causes(stages: Sequence[StageLike], sig: TraceSignals, th: DiagnosisThresholds) -> StageCauses:
+    """Each CPU stage a per-stage rule judges, with its blocked cause (None: not blocked enough to matter).
+    ``JudgedStages`` made with these very signals and thresholds answer from their memo (a tuple: no rule
+    can change what the next one reads); anything else is classified afresh."""
     if isinstance(stages, JudgedStages) and stages.signals is sig and stages.thresholds is th:
         return stages.causes()
-    return [(s, blocked_cause(s, sig, th)) for s in cpu_stages(stages, th)]
+    return tuple((s, blocked_cause(s, sig, th)) for s in cpu_stages(stages, th))
 
 
 # The part of a blocked stage's time each cause accounts for (what ranks the stages of one cause).
