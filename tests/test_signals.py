@@ -654,7 +654,17 @@ _sample_time = st.one_of(st.integers(0, 50), st.sampled_from([True, "7", None, 3
 _sample_value = st.one_of(st.integers(0, 9), st.floats(0, 9), st.sampled_from([False, "x", None]))
 
 
-@given(st.lists(st.lists(st.one_of(_sample_time, _sample_value), max_size=9).map(tuple), max_size=6))
+_sampler_batch = st.lists(st.tuples(st.integers(0, 50), st.floats(0, 9)), max_size=5).map(
+    lambda pairs: tuple(x for pair in sorted(pairs) for x in pair)
+)
+
+
+@given(
+    st.lists(
+        st.one_of(_sampler_batch, st.lists(st.one_of(_sample_time, _sample_value), max_size=9).map(tuple)),
+        max_size=6,
+    )
+)
 def test_a_series_keeps_every_well_formed_pair_in_order_whatever_the_batches_hold(batches):
     """Batches as the samplers ship them take a fast path; any batch with a malformed or out-of-order pair
     (or an odd length) is read a pair at a time. Both keep exactly what the pairwise contract keeps."""
@@ -671,3 +681,18 @@ def test_a_full_series_drops_its_oldest_half_on_either_path():
         fast.extend_flat((2 * i, 1.0, 2 * i + 1, 2.0))
         checked.extend_flat((2 * i, 1.0, 2 * i + 1, 2.0, "malformed"))
     assert fast.times == checked.times == [6, 7, 8, 9]
+
+
+def test_a_batch_as_the_samplers_ship_it_is_not_read_a_pair_at_a_time(monkeypatch):
+    s = LagSeries()
+    monkeypatch.setattr(s, "_extend_checked", lambda flat: pytest.fail(f"read a pair at a time: {flat}"))
+    s.extend_flat((1, 1.0, 2, 2))
+    s.extend_flat((2, 0.5, 7, 3.25))
+    assert (s.times, s.values) == ([1, 2, 2, 7], [1.0, 2.0, 0.5, 3.25])
+
+
+def test_a_value_no_float_holds_is_skipped_and_leaves_the_series_whole():
+    s = LagSeries()
+    s.extend_flat((1, 10**400, 2, 1.0))
+    s.extend_flat((3, 2.0, 4, -(10**400)))
+    assert (s.times, s.values) == ([2, 3], [1.0, 2.0])

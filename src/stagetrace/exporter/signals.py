@@ -88,8 +88,8 @@ def cumulative_change(series: LagSeries, start_ns: int, end_ns: int) -> float | 
     return max(0.0, values[after] - values[before])
 
 
-_INTS = frozenset({int})
-_NUMBERS = frozenset({int, float})
+_EXACT_INT = frozenset({int})  # exact types: a bool or an int subclass goes the checked way
+_EXACT_NUMBER = frozenset({int, float})
 
 
 class LagSeries:
@@ -108,19 +108,25 @@ class LagSeries:
         """``(t0, v0, t1, v1, ...)`` as shipped; out-of-order or malformed pairs are skipped."""
         times, values = self._times, self._values
         new_times, new_values = flat[0::2], flat[1::2]
+        floats = None
         if (
             len(new_times) == len(new_values)
-            and _INTS.issuperset(map(type, new_times))
-            and _NUMBERS.issuperset(map(type, new_values))
+            and _EXACT_INT.issuperset(map(type, new_times))
+            and _EXACT_NUMBER.issuperset(map(type, new_values))
             and (not times or not new_times or new_times[0] >= times[-1])
             and all(map(int.__le__, new_times, new_times[1:]))
         ):
             # As the samplers ship them, every wake-up of each (one message a series a helper-thread pass):
             # checked and appended in C, not a pair at a time.
-            times.extend(new_times)
-            values.extend(map(float, new_values))
-        else:
+            try:
+                floats = list(map(float, new_values))
+            except OverflowError:  # an int no float holds: that pair is malformed
+                floats = None
+        if floats is None:
             self._extend_checked(flat)
+        else:
+            times.extend(new_times)
+            values.extend(floats)
         if len(times) > self._max:
             half = len(times) - self._max // 2
             del times[:half], values[:half]
@@ -133,8 +139,12 @@ class LagSeries:
                 continue
             if times and t < times[-1]:
                 continue
+            try:
+                value = float(v)
+            except OverflowError:
+                continue
             times.append(t)
-            values.append(float(v))
+            values.append(value)
 
     @property
     def times(self) -> list[int]:
