@@ -54,6 +54,7 @@ and oversubscribed, and so kept), so the default exports nothing and ``stagetrac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -61,8 +62,9 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import AsyncIterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from harness import free_port, wait_for_port
 from proctree import process_cpu_s, tree_cpu_s
@@ -118,7 +120,8 @@ def make_app(variant: str, workload: str):
     from fastapi import FastAPI
 
     work = WORK[workload]
-    app = FastAPI()
+    lifespan = one_worker_thread if workload == "gil-bound" else None
+    app = FastAPI(lifespan=lifespan)
     if variant == "uninstrumented":
 
         @app.get("/predict")
@@ -132,7 +135,7 @@ def make_app(variant: str, workload: str):
 
         provider = TracerProvider()
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        app = FastAPI(telemetry={"tracer_provider": provider, "metrics": False, "logs": False})
+        app = FastAPI(telemetry={"tracer_provider": provider, "metrics": False, "logs": False}, lifespan=lifespan)
 
         @app.get("/predict")
         def predict():
@@ -191,15 +194,16 @@ def make_app(variant: str, workload: str):
             return {"n": n}
 
         stagetrace.instrument_fastapi(app, telemetry="contrib" if variant == "stagetrace-contrib" else "auto")
-    if workload == "gil-bound":
-
-        @app.on_event("startup")
-        async def one_worker_thread() -> None:
-            import anyio.to_thread
-
-            anyio.to_thread.current_default_thread_limiter().total_tokens = 1
-
     return app
+
+
+@contextlib.asynccontextmanager
+async def one_worker_thread(app: Any) -> AsyncIterator[None]:
+    """The GIL-bound workload's lifespan: its pure-Python stages run on one worker thread."""
+    import anyio.to_thread
+
+    anyio.to_thread.current_default_thread_limiter().total_tokens = 1
+    yield
 
 
 class _Sink(BaseHTTPRequestHandler):
