@@ -598,10 +598,10 @@ def diagnose(
     carry no CPU, GPU or stream signals at all).
     """
     if len(analysis.charged_ms) == len(stages):
-        in_request = [s for s, charged in zip(stages, analysis.charged_ms) if charged is not None]
+        kept: Sequence[StageLike] = [s for s, charged in zip(stages, analysis.charged_ms) if charged is not None]
     else:
-        in_request = list(stages)
-    in_request = JudgedStages(in_request, signals, thresholds)
+        kept = stages
+    in_request = JudgedStages(kept, signals, thresholds)
     have = _available(in_request, signals, thresholds)
     found = []
     for rule in RULES:

@@ -120,8 +120,8 @@ class LagSeries:
             # checked and appended in C, not a pair at a time.
             try:
                 floats = list(map(float, new_values))
-            except OverflowError:  # an int no float holds: that pair is malformed
-                floats = None
+            except OverflowError:  # an int no float holds: a malformed pair, which the checked way skips
+                pass
         if floats is None:
             self._extend_checked(flat)
         else:
