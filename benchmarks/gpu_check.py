@@ -62,6 +62,7 @@ REQUEST_MARK = "stagetrace-check.request"
 CLOCK_MARK = "stagetrace-check.clock"
 PLACEMENT_SLACK_NS = 10_000  # an event and the kernel after it on a busy stream, back to back
 SUMMARY_LIMIT = 4000  # characters of the session's summary, printed last
+TAIL_CHARS = 300  # of a failed step's output, in the summary's FAILING list
 
 
 # --- records ------------------------------------------------------------------------------------------
@@ -1119,7 +1120,7 @@ def session_report(work: Path, out: Path, *, dry_run: bool = False, limit: int =
             figures = json.loads((work / f"{name}.json").read_text())
         if figures is None and ((work / f"{name}.xml").exists() or (dry_run and "collected" in log)):
             figures = test_figures(work / f"{name}.xml", log, dry_run=dry_run)
-        steps[name] = {"rc": rc, "seconds": seconds, "limit_s": limit_s, "figures": figures}
+        steps[name] = {"rc": rc, "seconds": seconds, "limit_s": limit_s, "figures": figures, "tail": output_tail(log)}
         logs.append(f"===== {name}: rc={rc} {seconds}s (limit {limit_s}s)\n{log[-2_000_000:]}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "session.json").write_text(json.dumps({"dry_run": dry_run, "steps": steps}, indent=1, default=str))
@@ -1157,14 +1158,28 @@ def test_figures(junit: Path, log: str, *, dry_run: bool) -> dict[str, Any]:
     return {"rows": [row._asdict()], **counts, "cuda_run": cuda_run}
 
 
+def output_tail(log: str, chars: int = TAIL_CHARS) -> str:
+    """The end of a step's output on one line (its last lines joined by `` | ``): what a reader of the
+    summary needs to see why a step failed without opening log.txt."""
+    lines = [" ".join(line.split()) for line in log.strip().splitlines()]
+    tail = " | ".join(line for line in lines[-6:] if line)
+    return tail if len(tail) <= chars else "..." + tail[-(chars - 3) :]
+
+
 def summarize(steps: dict[str, Any], limit: int = SUMMARY_LIMIT) -> str:
-    """One line per step, the failing rows with their targets, then every row, cut to ``limit``
-    characters (failures first: they are what a rerun needs; session.json has everything)."""
+    """One line per step; under FAILING every step whose rc is not 0 (failed, timed out, killed or not
+    run: it may have left no rows at all) with its rc and the end of its output, then the failing rows
+    with their targets; then every row, cut to ``limit`` characters (failures first: they are what a
+    rerun needs; session.json has everything)."""
     lines = ["step        status      time (limit)"]
     failing, every = [], []
     for name, step in steps.items():
-        verdict = {"0": "ok", "124": "TIMED OUT", "137": "KILLED"}.get(step["rc"], f"rc={step['rc']}")
+        rc = step["rc"]
+        verdict = {"0": "ok", "124": "TIMED OUT", "137": "KILLED"}.get(rc, f"rc={rc}")
         lines.append(f"{name:11} {verdict:11} {step['seconds']}s ({step['limit_s']}s)")
+        if rc != "0":
+            label = f"rc={rc}" + (f" {verdict}" if rc in ("124", "137") else "")
+            failing.append(f"[{name} {label}] {step.get('tail') or '(no output)'}")
         for row in (step.get("figures") or {}).get("rows", ()):
             check, result = str(row["check"]), str(row["result"])
             every.append(f"{'ok' if row['ok'] else 'NO'} {check[:56]}: {result[:40]}")

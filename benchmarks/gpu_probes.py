@@ -6,10 +6,11 @@ only on a measurement, each with a control that shows the measurement can see wh
     python benchmarks/gpu_probes.py capture [--json FILE] [--dry-run]   # graph captures beside GPU work
     python benchmarks/gpu_probes.py dtype [--json FILE] [--dry-run]     # automatic copy stages change nothing
 
-env: the device, torch and driver; every requirement of stagetrace's (pyproject.toml), and of theirs, met by
-    what is installed (the carried wheels where the image lacks a package); the image's own packages kept
-    (none imported from /tmp/site, where the session installs the wheels). Control: a requirement that
-    cannot be met is reported unmet.
+env: the device, torch and driver; the session's prerequisites (pytest, torch, pynvml, OpenTelemetry, each
+    carried wheel installed), each missing one with what to do; every requirement of stagetrace's
+    (pyproject.toml), and of theirs, met by what is installed (the carried wheels where the image lacks a
+    package); the image's own packages kept (none imported from /tmp/site, where the session installs the
+    wheels). Control: a requirement that cannot be met is reported unmet.
 anchors: calibrations of a timer of its own, with 0 and 2 pure-Python CPU-bound threads beside it: how many
     anchors are kept and their error bars, and whether their records were made with the GIL held. Control:
     beside the busy threads, a 100 us GIL-free sleep comes back only after a switch interval (the threads
@@ -74,6 +75,41 @@ def unmet_requirements(
     return sorted(set(unmet))
 
 
+# What the session's steps import, and what to do when one is missing: the device image has torch, pytest
+# and nvidia-ml-py; OpenTelemetry comes in the wheels carried from here.
+PREREQUISITES = (
+    ("pytest", "the cuda-tests step runs pytest: pip install pytest"),
+    ("torch", "every GPU step: pip install torch"),
+    ("pynvml", "NVML sampling: pip install nvidia-ml-py"),
+    ("opentelemetry.sdk", "stagetrace itself: run scripts/gpu_wheels.sh here and carry .whl"),
+)
+
+
+def missing_prerequisites(
+    importable: Callable[[str], bool], wheels: list[str], installed: Callable[[str], str | None]
+) -> list[str]:
+    """What the session needs and this Python lacks, each with what to do: a module of ``PREREQUISITES``
+    that cannot be imported, or a carried wheel (a path under .whl/) whose distribution is not installed
+    (the install step failed or was skipped)."""
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+
+    missing = [f"{module} ({why})" for module, why in PREREQUISITES if not importable(module)]
+    for path in wheels:
+        name = canonicalize_name(parse_wheel_filename(Path(path).name)[0])
+        if installed(name) is None:
+            missing.append(f"{name} (carried in {Path(path).name}, not installed: see the install step)")
+    return missing
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def probe_env(device: Any, site: str = "/tmp/site") -> tuple[list[Row], dict[str, Any]]:
     import importlib
     import importlib.metadata as md
@@ -89,10 +125,12 @@ def probe_env(device: Any, site: str = "/tmp/site") -> tuple[list[Row], dict[str
     def requires(name: str) -> list[str]:
         return list(md.requires(name) or ())
 
-    pyproject = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    repo = Path(__file__).resolve().parent.parent
+    pyproject = tomllib.loads((repo / "pyproject.toml").read_text())
     project = pyproject["project"]
     roots = [*project["dependencies"], *project["optional-dependencies"]["gpu"]]
     unmet = unmet_requirements(roots, installed, requires)
+    missing = missing_prerequisites(_importable, sorted(map(str, repo.glob(".whl/*.whl"))), installed)
     control = unmet_requirements(["opentelemetry-api>=999"], installed, requires)
     shadowed = []
     for module in IMAGE_MODULES:
@@ -106,12 +144,14 @@ def probe_env(device: Any, site: str = "/tmp/site") -> tuple[list[Row], dict[str
     rows = [
         Row("(env) device / torch / CUDA", f"{info['name']} / {info['torch']} / {info['cuda']}", "a CUDA device",
             bool(info["available"])),
+        Row("(env) the session's prerequisites missing", "; ".join(missing)[:300] or "none", "none", not missing),
         Row("(env) stagetrace's requirements, and theirs, unmet", "; ".join(unmet)[:120] or "none", "none", not unmet),
         Row("(env) control: opentelemetry-api>=999 reported unmet", str(bool(control)), "True", bool(control)),
         Row(f"(env) image packages imported from {site}", ", ".join(shadowed) or "none", "none", not shadowed),
     ]  # fmt: skip
-    return rows, {"unmet": unmet, "shadowed": shadowed, "versions": {r: installed(r) for r in ("opentelemetry-sdk",
-                  "nvidia-ml-py", "torch", "wrapt", "typing-extensions", "protobuf")}, "device": info}  # fmt: skip
+    versions = {r: installed(r) for r in ("opentelemetry-sdk", "nvidia-ml-py", "torch", "wrapt", "typing-extensions",
+                                          "protobuf")}  # fmt: skip
+    return rows, {"missing": missing, "unmet": unmet, "shadowed": shadowed, "versions": versions, "device": info}
 
 
 # --- anchors ------------------------------------------------------------------------------------------------
@@ -475,13 +515,15 @@ def _no_stage(name: str) -> Iterator[None]:
 
 
 class _NoDevice:
-    """What ``env`` reports where torch sees no CUDA device."""
+    """What ``env`` reports where torch sees no CUDA device, or where the device could not be set up at all
+    (torch or the fakes' imports missing): the prerequisites row then says what to install."""
 
-    def __init__(self, torch: Any) -> None:
-        self.torch = torch
+    def __init__(self, torch_version: str | None, why: str = "no CUDA device") -> None:
+        self.torch_version = torch_version
+        self.why = why
 
     def describe(self) -> dict[str, Any]:
-        return {"available": False, "name": "no CUDA device", "torch": self.torch.__version__, "cuda": None}
+        return {"available": False, "name": self.why, "torch": self.torch_version, "cuda": None}
 
 
 class FakeDevice:
@@ -566,23 +608,31 @@ PROBES: dict[str, Callable[[Any], tuple[list[Row], dict[str, Any]]]] = {
 }
 
 
+def _device(*, dry_run: bool) -> Any:
+    if dry_run:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        return FakeDevice()
+    import torch
+
+    return CudaDevice(torch) if torch.cuda.is_available() else _NoDevice(torch.__version__)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("probe", choices=sorted(PROBES))
     ap.add_argument("--json", help="write the rows and figures here")
     ap.add_argument("--dry-run", action="store_true", help="on CPU, against tests/fakes.py")
     args = ap.parse_args(argv)
-    if args.dry_run:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-        device: Any = FakeDevice()
-    else:
-        import torch
-
-        if not torch.cuda.is_available():
-            print(f"gpu_probes {args.probe}: no CUDA device (run this on a GPU machine, or --dry-run)")
-            if args.probe != "env":
-                return 2
-        device = CudaDevice(torch) if torch.cuda.is_available() else _NoDevice(torch)
+    try:
+        device = _device(dry_run=args.dry_run)
+    except ImportError as e:  # env still says what is missing; every other probe needs the device
+        if args.probe != "env":
+            raise
+        device = _NoDevice(None, f"no device: {e}")
+    if isinstance(device, _NoDevice):
+        print(f"gpu_probes {args.probe}: {device.why} (run this on a GPU machine, or --dry-run)")
+        if args.probe != "env":
+            return 2
     rows, figures = PROBES[args.probe](device)
     print(format_table(rows, f"stagetrace GPU probe: {args.probe}{' (dry run)' if args.dry_run else ''}"))
     if args.json:

@@ -264,8 +264,83 @@ def test_the_summary_keeps_failures_first_and_under_the_limit():
     steps = {"gpu-check": {"rc": "1", "seconds": "50", "limit_s": "100", "figures": {"rows": rows}}}
     summary = check.summarize(steps)
     assert len(summary) <= check.SUMMARY_LIMIT
-    assert "FAILING (1):" in summary and "(x) row 77" in summary.split("ROWS:")[0]
+    failing = summary.split("ROWS:")[0]
+    assert "FAILING (2):\n[gpu-check rc=1] (no output)" in failing and "(x) row 77" in failing
     assert summary.endswith("session.json has every row)")
+
+
+def test_every_step_that_did_not_end_well_is_under_failing_with_its_rc_and_output(tmp_path):
+    """A step that failed, timed out or was killed may leave no rows at all (pytest missing, a hang): the
+    summary's FAILING list names it with its rc and the end of its output, beside the failing rows."""
+    work = tmp_path / "work"
+    work.mkdir()
+    logs = {
+        "env": ("0", "every prerequisite met"),
+        "cuda-tests": ("1", "collecting\n/usr/bin/python3: No module named pytest\n"),
+        "anchors": ("124", "calibrating\nstill calibrating (busy threads: 2)\n"),
+        "capture": ("137", ""),
+        "gpu-check": ("1", "table\n"),
+    }
+    for name, (rc, log) in logs.items():
+        (work / f"{name}.log").write_text(log)
+        (work / f"{name}.status").write_text(f"{rc} 3 20")
+    failed_row = {"check": "(x) sync", "result": "2", "target": "0", "ok": False}
+    (work / "gpu-check.json").write_text(json.dumps({"rows": [failed_row]}))
+    (work / "steps.txt").write_text("\n".join(logs))
+    summary = check.session_report(work, tmp_path / "out")
+    failing = summary.split("FAILING (5):\n")[1].split("ROWS:")[0].splitlines()
+    assert failing == [
+        "[cuda-tests rc=1] collecting | /usr/bin/python3: No module named pytest",
+        "[anchors rc=124 TIMED OUT] calibrating | still calibrating (busy threads: 2)",
+        "[capture rc=137 KILLED] (no output)",
+        "[gpu-check rc=1] table",
+        "(x) sync: 2 [target 0]",
+    ]
+    all_well = {"env": {"rc": "0", "seconds": "1", "limit_s": "20", "figures": None}}
+    assert check.summarize(all_well).endswith("FAILING: none\nROWS:")
+
+
+def test_a_long_output_keeps_its_end_on_one_line():
+    tail = check.output_tail("\n".join(f"line {i}   with   spaces" for i in range(100)), chars=60)
+    assert len(tail) == 60 and tail.startswith("...") and tail.endswith("line 99 with spaces")
+
+
+def test_the_session_names_a_failed_a_timed_out_and_a_killed_step(tmp_path):
+    """The session itself, with a stand-in Python: pytest missing (rc 1, no rows), a probe that kills itself
+    (137), and the last step hanging past its limit (124): all three under FAILING with their output."""
+    stub = tmp_path / "python"
+    stub.write_text(
+        "#!/usr/bin/env bash\n"
+        f'case "$*" in *--report*) exec {sys.executable} "$@";;\n'
+        '  *"-m pytest"*) echo "/stub/python: No module named pytest" >&2; exit 1;;\n'
+        '  *" capture "*) echo "capturing"; kill -9 $$;;\n'
+        '  *gpu_check.py*) echo "measuring"; exec sleep 60;;\n'
+        "esac\nexit 0\n"
+    )
+    stub.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": str(stub), "GPU_SESSION_BUDGET": "24"}
+    subprocess.run(["bash", str(SESSION), "--dry-run"], capture_output=True, text=True, env=env, timeout=60)
+    summary = (out / "summary.txt").read_text()
+    failing = summary.split("FAILING (3):\n")[1].split("ROWS:")[0]
+    assert "[cuda-tests rc=1] /stub/python: No module named pytest" in failing
+    assert "[capture rc=137 KILLED] capturing" in failing
+    assert "[gpu-check rc=124 TIMED OUT] measuring" in failing
+
+
+def test_missing_prerequisites_say_what_to_do():
+    wheels = [".whl/opentelemetry_sdk-1.40.0-py3-none-any.whl", ".whl/googleapis_common_protos-1.70.0-py3-none-any.whl"]
+    installed = {"opentelemetry-sdk": "1.40.0"}.get
+    missing = probes.missing_prerequisites(lambda m: m != "pytest", wheels, installed)
+    assert missing == [
+        "pytest (the cuda-tests step runs pytest: pip install pytest)",
+        "googleapis-common-protos (carried in googleapis_common_protos-1.70.0-py3-none-any.whl, not installed: "
+        "see the install step)",
+    ]
+    assert probes.missing_prerequisites(lambda m: True, wheels, lambda n: "1") == []
+    rows, figures = probes.probe_env(probes.FakeDevice())
+    (row,) = by_prefix(rows, "(env) the session's prerequisites missing")
+    assert row.ok and figures["missing"] == []  # this venv has them all
 
 
 def test_the_tests_row_reads_pytests_junit_file(tmp_path):
