@@ -85,6 +85,16 @@ def test_bad_mode_and_share_values_are_clear_errors(monkeypatch, value):
         Settings()
 
 
+def test_a_flush_held_for_the_signals_is_answered_without_waiting_a_poll_interval(make_harness):
+    """A flush behind a trace that waits for the GIL monitor's next wake-up (the gate) went out only at the
+    helper thread's next poll: 0.2 s a flush by default, every poll interval here (so none within 5 s)."""
+    h = make_harness(settings=Settings(poll_interval_s=60, sweep_interval_s=60))
+    for _ in range(3):
+        run_pipelines(1)
+        assert h.handle.force_flush(5)
+    assert len(h.verdicts) == 3
+
+
 # --- lifecycle ---------------------------------------------------------------------------------------
 
 
@@ -331,6 +341,7 @@ def test_the_default_keeps_a_tenth_of_healthy_traces(tmp_path):
     assert 15 <= roots <= 70  # about 40 of 400
 
 
+@pytest.mark.slow
 def test_an_exporter_that_keeps_dying_is_given_up_and_what_follows_is_counted(make_harness):
     h = make_harness(settings=Settings(exporter_restarts_per_minute=1))
     first = h.handle.exporter_pid

@@ -134,6 +134,9 @@ class Shipper:
         self._gate: deque[tuple[float, Any]] = deque()  # items behind a trace waiting for the samplers' readings
         self._flushes: list[_FlushMarker] = []  # flush requests waiting for the parked traces before them
         self._sent_flushes: dict[int, _FlushMarker] = {}
+        # every flush not answered yet, wherever it is (the hand-off queue, the gate, behind parked traces, sent):
+        # while one waits the thread looks often, so a flush costs no poll interval (a set: any thread adds)
+        self._awaited: set[_FlushMarker] = set()
         self._wake = threading.Event()
         self._sleeping = False
         self._thread: threading.Thread | None = None
@@ -192,11 +195,12 @@ class Shipper:
         if self._thread is None or self._stopped:
             return True
         marker = _FlushMarker(next(self._seq), timeout_s)
+        self._awaited.add(marker)
         self._items.append(marker)
         self._wake.set()
-        if not marker.done.wait(timeout_s):
-            return False
-        return marker.ok
+        answered = marker.done.wait(timeout_s)
+        self._awaited.discard(marker)
+        return answered and marker.ok
 
     def flushed(self, seq: int, *, ok: bool) -> None:
         """The transport's answer to a flush marker."""
@@ -227,8 +231,8 @@ class Shipper:
     def _run(self) -> None:
         poll = self.settings.poll_interval_s
         while True:
-            if self._sent_flushes:
-                self._wake.wait(FLUSH_POLL_S)  # someone waits for the answer: look for it often
+            if self._awaited:
+                self._wake.wait(FLUSH_POLL_S)  # someone waits for a flush: look for what holds it up often
             elif self._items or self._parked or self._gate:
                 self._wake.wait(poll)
             else:
