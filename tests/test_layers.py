@@ -50,3 +50,22 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from stagetrace.exporter.signals import flatten\n")
     assert imports_of(bad) == {"exporter"}
+
+
+def test_the_public_names_resolve_and_the_exporter_process_never_imports_capture():
+    """``import stagetrace`` imports each public name on first use; ``python -m stagetrace.exporter`` loads
+    the exporter's own modules only (its start-up is every process-mode test's and every worker's cost)."""
+    import subprocess
+    import sys
+
+    import stagetrace
+
+    assert sorted(stagetrace.__all__) == sorted([*stagetrace._PUBLIC, "__version__"])
+    assert all(getattr(stagetrace, name) is not None for name in stagetrace.__all__)
+    probe = (
+        "import sys, stagetrace.exporter.process; "
+        "print(sorted(m for m in sys.modules if m.startswith(('stagetrace.capture', 'stagetrace.configuration', "
+        "'stagetrace.handoff', 'stagetrace.integrations', 'torch'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
