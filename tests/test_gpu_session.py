@@ -305,6 +305,7 @@ def test_a_long_output_keeps_its_end_on_one_line():
     assert len(tail) == 60 and tail.startswith("...") and tail.endswith("line 99 with spaces")
 
 
+@pytest.mark.slow
 def test_the_session_names_a_failed_a_timed_out_and_a_killed_step(tmp_path):
     """The session itself, with a stand-in Python: pytest missing (rc 1, no rows), a probe that kills itself
     (137), and the last step hanging past its limit (124): all three under FAILING with their output."""
@@ -370,6 +371,7 @@ def test_the_session_is_bounded_to_fit_the_device_machine():
     assert '-m "not slow"' in text
 
 
+@pytest.mark.slow
 def test_a_step_past_the_budget_is_cut_and_the_summary_still_comes_last(tmp_path):
     """With a budget of 23 s the first step gets 3 s (23, less 15 for the report and 5 for the kill grace): a
     step that hangs is killed then, the later ones do not start, and the report is written and printed last."""

@@ -71,7 +71,10 @@ def test_steady_arrivals_above_capacity_are_queueing(harness):
     assert not any("QUEUEING" in v.diagnosis_codes for v in free)
 
 
-@pytest.mark.parametrize("concurrency", [TOKENS, 1], ids=["steady-at-capacity", "trickle"])
+@pytest.mark.parametrize(
+    "concurrency",
+    [pytest.param(TOKENS, id="steady-at-capacity"), pytest.param(1, id="trickle", marks=pytest.mark.slow)],
+)
 def test_arrivals_within_capacity_never_queue(harness, concurrency):
     # Each client sends its next request after the response, so a token is always free: any wait is
     # dispatch latency, however long the GIL or the host makes it.

@@ -125,6 +125,7 @@ def demo(tmp_path_factory) -> tuple[Path, Path]:
     return tmp / "out", db
 
 
+@pytest.mark.slow
 def test_the_demos_traces_in_clickhouse_give_the_file_reports_numbers(demo):
     out, db = demo
     files = file_report([str(out)])

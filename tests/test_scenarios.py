@@ -91,6 +91,7 @@ def test_stage_waiting_on_a_lock_is_lock_or_io_wait(collector):
     assert d.stage == "cache_lookup"
 
 
+@pytest.mark.slow
 def test_cpu_stage_beside_a_busy_python_thread_is_gil_contention(collector):
     app = FastAPI()
     stop = threading.Event()

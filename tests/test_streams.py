@@ -67,6 +67,7 @@ def test_a_repeated_stage_keeps_its_first_few_a_composite_and_its_slowest(harnes
     assert example.parent.span_id == composite.parent.span_id  # beside it, under the same parent
 
 
+@pytest.mark.slow
 def test_the_verdict_counts_every_occurrence_however_folded(harness):
     """Random sequences of three names (25 of them, fixed seed): every occurrence's time in the breakdown."""
     rng = random.Random(7)
