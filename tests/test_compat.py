@@ -138,6 +138,58 @@ def test_processor_chain_of_an_sdk_tracer_provider():
         ProcessorChain(object())  # type: ignore[arg-type]
 
 
+def test_what_a_takeover_reads_of_export_processors_and_metric_readers(caplog):
+    """The exporter behind each SDK export processor; a meter provider's readers, a periodic reader's
+    exporter; a reader detached exports nothing more and is not shut down twice (no warning at exit)."""
+    import logging
+
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import (
+        InMemoryMetricReader,
+        MetricExporter,
+        MetricExportResult,
+        PeriodicExportingMetricReader,
+    )
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    from stagetrace._compat import detach_metric_reader, meter_provider_readers, metric_exporter_of, span_exporter_of
+
+    exporter = InMemorySpanExporter()
+    batch = BatchSpanProcessor(exporter)
+    assert span_exporter_of(batch) is exporter and span_exporter_of(SimpleSpanProcessor(exporter)) is exporter
+    assert span_exporter_of(SynchronousMultiSpanProcessor()) is None
+    batch.shutdown()
+
+    class Counting(MetricExporter):
+        exported = 0
+        shut = 0
+
+        def export(self, metrics_data, timeout_millis=10_000, **kwargs):
+            Counting.exported += 1
+            return MetricExportResult.SUCCESS
+
+        def force_flush(self, timeout_millis=10_000):
+            return True
+
+        def shutdown(self, timeout_millis=30_000, **kwargs):
+            Counting.shut += 1
+
+    periodic = PeriodicExportingMetricReader(Counting(), export_interval_millis=3_600_000)
+    memory = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[periodic, memory], shutdown_on_exit=False)
+    provider.get_meter("m").create_counter("c").add(1)
+    assert meter_provider_readers(provider) == (periodic, memory)
+    assert isinstance(metric_exporter_of(periodic), Counting) and metric_exporter_of(memory) is None
+    with caplog.at_level(logging.WARNING):
+        assert detach_metric_reader(provider, periodic)
+        assert meter_provider_readers(provider) == (memory,)
+        provider.get_meter("m").create_counter("c").add(1)  # reaches the reader left only
+        provider.shutdown()
+    assert (Counting.exported, Counting.shut) == (0, 1)  # nothing sent as it shut down, and shut down once
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert not detach_metric_reader(provider, periodic)  # not there any more: nothing done
+
+
 def test_meter_provider_placeholder_and_sampler_from_env(monkeypatch):
     from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 

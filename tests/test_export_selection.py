@@ -1,8 +1,14 @@
 """Which exporters the ``OTEL_*`` variables select (destinations/env.py), as the OpenTelemetry specification
 defines them: names, separators and case, the default protocol and the per-signal overrides, and the
-errors that name what is wrong."""
+errors that name what is wrong; and what of them the user chose where a distro set defaults first."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcMetrics
@@ -13,12 +19,16 @@ from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
 from stagetrace.destinations.env import (
-    metric_export_from_env,
-    metric_readers_from_env,
-    span_export_from_env,
-    span_exporters_from_env,
+    Selection,
+    metric_readers,
+    metric_selection,
+    set_since_start,
+    span_exporters,
+    span_selection,
+    starting_environment,
+    users_environment,
 )
-from stagetrace.destinations.files import JsonLinesSpanExporter
+from stagetrace.destinations.files import JsonLinesMetricExporter, JsonLinesSpanExporter
 
 VARS = (
     "OTEL_TRACES_EXPORTER",
@@ -36,6 +46,16 @@ VARS = (
 def clean_env(monkeypatch):
     for var in VARS:
         monkeypatch.delenv(var, raising=False)
+
+
+def span_exporters_from_env(path=None):
+    selection = span_selection()
+    return None if selection is None else span_exporters(selection, path or Path("traces.jsonl"))
+
+
+def metric_readers_from_env(path=None):
+    selection = metric_selection()
+    return None if selection is None else metric_readers(selection, path or Path("metrics.jsonl"))
 
 
 def span_types(monkeypatch, env):
@@ -62,7 +82,7 @@ def reader_exporter_types(monkeypatch, env):
 
 def test_nothing_configured_selects_nothing():
     assert span_exporters_from_env() is None and metric_readers_from_env() is None
-    assert span_export_from_env() is False and metric_export_from_env() is False
+    assert span_selection() is None and metric_selection() is None
 
 
 @pytest.mark.parametrize(
@@ -91,7 +111,7 @@ def test_nothing_configured_selects_nothing():
 def test_span_exporters(env, expected, tmp_path, monkeypatch):
     monkeypatch.setenv("STAGETRACE_OUTPUT_DIR", str(tmp_path))
     assert span_types(monkeypatch, env) == expected
-    assert span_export_from_env() is (expected is not None)
+    assert (span_selection() is not None) is (expected is not None)
 
 
 @pytest.mark.parametrize(
@@ -104,12 +124,13 @@ def test_span_exporters(env, expected, tmp_path, monkeypatch):
             [GrpcMetrics],
         ),
         ({"OTEL_METRICS_EXPORTER": "Console"}, [ConsoleMetricExporter]),
+        ({"OTEL_METRICS_EXPORTER": "file"}, [JsonLinesMetricExporter]),
         ({"OTEL_METRICS_EXPORTER": "none"}, []),
     ],
 )
 def test_metric_readers(env, expected, monkeypatch):
     assert reader_exporter_types(monkeypatch, env) == expected
-    assert metric_export_from_env() is (expected is not None)
+    assert (metric_selection() is not None) is (expected is not None)
 
 
 def test_unknown_names_and_protocols_are_errors_that_say_what_to_use(monkeypatch):
@@ -121,43 +142,73 @@ def test_unknown_names_and_protocols_are_errors_that_say_what_to_use(monkeypatch
     monkeypatch.delenv("OTEL_TRACES_EXPORTER")
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "prometheus")
     with pytest.raises(
-        ValueError, match=r"^OTEL_METRICS_EXPORTER: unknown exporter 'prometheus' \(use otlp, console, none\)$"
+        ValueError, match=r"^OTEL_METRICS_EXPORTER: unknown exporter 'prometheus' \(use otlp, console, file, none\)$"
     ):
-        metric_export_from_env()
+        metric_selection()
     monkeypatch.delenv("OTEL_METRICS_EXPORTER")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://x:4317")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "thrift")
     expected = r"^OTEL_EXPORTER_OTLP_PROTOCOL must be one of grpc, http/protobuf; got 'thrift'$"
     with pytest.raises(ValueError, match=expected):
-        span_export_from_env()
-    metric_export_from_env()  # the traces' own protocol does not concern metrics
+        span_selection()
+    metric_selection()  # the traces' own protocol does not concern metrics
 
 
 @pytest.mark.parametrize("signal", ["TRACES", "METRICS"])
 def test_a_signals_own_protocol_variable_is_checked_by_every_entry_point_of_that_signal_only(monkeypatch, signal):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://x:4317")
     monkeypatch.setenv(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL", "thrift")
-    own, other = (
-        [(span_export_from_env, span_exporters_from_env), (metric_export_from_env, metric_readers_from_env)]
-        if signal == "TRACES"
-        else [(metric_export_from_env, metric_readers_from_env), (span_export_from_env, span_exporters_from_env)]
-    )
-    for entry in own:
-        with pytest.raises(ValueError, match="got 'thrift'"):
-            entry()
-    assert other[0]() is True
+    own, other = (span_selection, metric_selection) if signal == "TRACES" else (metric_selection, span_selection)
+    with pytest.raises(ValueError, match="got 'thrift'"):
+        own()
+    assert other() == Selection(("otlp",), "http/protobuf")
 
 
 def test_none_beside_another_metric_exporter_keeps_the_other(monkeypatch):
     assert reader_exporter_types(monkeypatch, {"OTEL_METRICS_EXPORTER": "none,console"}) == [ConsoleMetricExporter]
 
 
-def test_the_file_exporter_writes_under_the_service_name(monkeypatch, tmp_path):
-    monkeypatch.setenv("STAGETRACE_OUTPUT_DIR", str(tmp_path))
-    monkeypatch.setenv("OTEL_SERVICE_NAME", "ranker")
-    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "file")
-    (exporter,) = span_exporters_from_env()
+def test_the_file_exporters_write_where_the_application_said(tmp_path):
+    """The path is the application's (named after its pid), whichever process builds the exporter."""
+    given = tmp_path / "traces-ranker-42.jsonl"
+    (exporter,) = span_exporters(Selection(("file",)), given)
+    (reader,) = metric_readers(Selection(("file",)), tmp_path / "metrics-ranker-42.jsonl")
     try:
-        assert exporter.path.parent == tmp_path and exporter.path.name.startswith("traces-ranker-")
+        assert exporter.path == given and reader._exporter.path == tmp_path / "metrics-ranker-42.jsonl"
     finally:
         exporter.shutdown()
+        reader.shutdown()
+
+
+def test_built_with_no_argument_the_files_are_named_after_the_service_and_this_process(monkeypatch, tmp_path):
+    """As OpenTelemetry's configurator builds them from ``OTEL_*_EXPORTER=file``."""
+    monkeypatch.setenv("STAGETRACE_OUTPUT_DIR", str(tmp_path))
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "ranker")
+    assert JsonLinesSpanExporter().path == tmp_path / f"traces-ranker-{os.getpid()}.jsonl"
+    assert JsonLinesMetricExporter().path == tmp_path / f"metrics-ranker-{os.getpid()}.jsonl"
+
+
+def test_variables_set_after_the_start_are_a_distros_not_the_users(monkeypatch):
+    """A distro's defaults are set in os.environ after the process started; the user's were there at the
+    start (in the environment, or from ``opentelemetry-instrument``'s options)."""
+    start = {"OTEL_METRICS_EXPORTER": "console", "OTEL_SERVICE_NAME": "ranker"}
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")  # the distro's default
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")  # the distro's default
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "console")  # the user's
+    assert set_since_start(start) == {"OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_PROTOCOL"}
+    users = users_environment(start)
+    assert "OTEL_TRACES_EXPORTER" not in users and users["OTEL_METRICS_EXPORTER"] == "console"
+    assert span_selection(users) is None and metric_selection(users) == Selection(("console",))
+    assert set_since_start({**start, "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}) == set()
+
+
+def test_the_starting_environment_is_what_the_process_began_with():
+    probe = (
+        "import os, json; from stagetrace.destinations.env import starting_environment; "
+        "os.environ['LATER'] = '1'; start = starting_environment(); "
+        "print(json.dumps([start.get('EARLY'), 'LATER' in start]))"
+    )
+    env = {**os.environ, "EARLY": "yes"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == ["yes", False]
+    assert starting_environment() is not None  # Linux: /proc/self/environ

@@ -41,8 +41,11 @@ APP = textwrap.dedent(
                 assert (await client.get("/predict")).status_code == 200
 
     asyncio.run(main())
+    import os
+    print(f"app pid {os.getpid()}")
     """
 )
+NO_DISTRO = {"OTEL_PYTHON_DISTRO": "none-installed", "OTEL_PYTHON_CONFIGURATOR": "none-installed"}
 
 
 def run_instrumented(tmp_path: Path, env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -61,6 +64,83 @@ def run_instrumented(tmp_path: Path, env_extra: dict[str, str]) -> subprocess.Co
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return out
+
+
+def app_pid(out: subprocess.CompletedProcess[str]) -> int:
+    return int(out.stdout.split("app pid ")[1].split()[0])
+
+
+def json_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def root_spans(path: Path) -> list[tuple[dict, dict]]:
+    """(resource attributes, span) of each ``GET /predict`` root in an OTLP JSON lines file."""
+    found = []
+    for doc in json_lines(path):
+        for rs in doc["resourceSpans"]:
+            resource = {a["key"]: a["value"] for a in rs["resource"]["attributes"]}
+            found += [(resource, sp) for ss in rs["scopeSpans"] for sp in ss["spans"] if sp["name"] == "GET /predict"]
+    return found
+
+
+# Every value the docs list for OTEL_TRACES_EXPORTER (and none at all), with OpenTelemetry's distro and
+# configurator, and with none (as where they are not installed): nothing tries to reach a collector that is
+# not there, and a file is written only where the user asked for one or chose nothing, named after the
+# application's process and carrying its service name.
+DISTRO_CASES = [
+    pytest.param({}, "files", id="nothing chosen, distro"),
+    pytest.param(NO_DISTRO, "files", id="nothing chosen, no distro", marks=pytest.mark.slow),
+    pytest.param({"OTEL_TRACES_EXPORTER": "file"}, "files", id="file, distro"),
+    pytest.param({"OTEL_TRACES_EXPORTER": "file", **NO_DISTRO}, "files", id="file, no distro", marks=pytest.mark.slow),
+    pytest.param({"OTEL_TRACES_EXPORTER": "none"}, "nothing", id="none, distro", marks=pytest.mark.slow),
+    pytest.param(
+        {"OTEL_TRACES_EXPORTER": "none", **NO_DISTRO}, "nothing", id="none, no distro", marks=pytest.mark.slow
+    ),
+    pytest.param({"OTEL_TRACES_EXPORTER": "console"}, "console", id="console, distro", marks=pytest.mark.slow),
+    pytest.param(
+        {"OTEL_TRACES_EXPORTER": "console", **NO_DISTRO}, "console", id="console, no distro", marks=pytest.mark.slow
+    ),
+    pytest.param({"OTEL_TRACES_EXPORTER": "otlp"}, "collector", id="otlp, distro", marks=pytest.mark.slow),
+    pytest.param(
+        {"OTEL_TRACES_EXPORTER": "otlp", **NO_DISTRO}, "collector", id="otlp, no distro", marks=pytest.mark.slow
+    ),
+]
+
+
+@pytest.mark.parametrize(("extra", "expect"), DISTRO_CASES)
+def test_each_documented_exporter_value_with_and_without_the_distro(tmp_path, otlp_receiver, extra, expect):
+    out_dir = tmp_path / "out"
+    env = {"OTEL_SERVICE_NAME": "zc-app", "STAGETRACE_OUTPUT_DIR": str(out_dir), **extra}
+    if expect == "collector":
+        env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                "OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_METRICS_EXPORTER": "none"}  # fmt: skip
+    out = run_instrumented(tmp_path, env)
+    pid = app_pid(out)
+    assert "localhost:4317" not in out.stderr and "Failed to export" not in out.stderr, out.stderr[-2000:]
+    files = sorted(p.name for p in out_dir.glob("*.jsonl")) if out_dir.exists() else []
+    if expect == "files":
+        assert files == [f"metrics-zc-app-{pid}.jsonl", f"traces-zc-app-{pid}.jsonl"]
+        roots = root_spans(out_dir / f"traces-zc-app-{pid}.jsonl")
+        assert len(roots) == 3
+        assert all(r["service.name"] == {"stringValue": "zc-app"} for r, _ in roots)
+        (metrics_line, *_) = json_lines(out_dir / f"metrics-zc-app-{pid}.jsonl")
+        names = {
+            m["name"] for rm in metrics_line["resourceMetrics"] for sm in rm["scopeMetrics"] for m in sm["metrics"]
+        }
+        assert c.METRIC_TRACE_DURATION in names
+        report = subprocess.run(
+            [sys.executable, "-m", "stagetrace.cli.main", "report", str(out_dir)], capture_output=True, text=True
+        )
+        assert report.returncode == 0 and "3 traces" in report.stdout, report.stdout + report.stderr
+    else:
+        assert files == []
+    if expect == "console":
+        assert out.stdout.count('"name": "GET /predict"') == 3
+    if expect == "collector":
+        sink = otlp_receiver.sink
+        assert sink.wait_for(lambda s: sum(1 for x in s.spans if x.name == "GET /predict") >= 3)
+        assert all(x.resource["service.name"] == "zc-app" for x in sink.spans if x.name == "GET /predict")
 
 
 @pytest.mark.parametrize(
@@ -182,3 +262,48 @@ def test_attach_to_a_users_provider_flushes_and_detaches_cleanly():
     assert c.BOTTLENECK_STAGE in root.attributes
     handle.shutdown()
     assert provider._active_span_processor._span_processors == (users_processor,)  # restored
+
+
+def _exporting(exporter):
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    return BatchSpanProcessor(exporter)
+
+
+def test_the_takeover_moves_only_what_the_user_did_not_choose_and_stagetraces_own_files(tmp_path):
+    """A distro's default OTLP exporters (their variable set after the start) and stagetrace's own JSON
+    lines exporters move to stagetrace; the user's chosen exporters, their own subclasses and any other
+    processor stay."""
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    from stagetrace.destinations.distro import plan_takeover
+    from stagetrace.destinations.files import JsonLinesSpanExporter
+
+    class Vendor(OTLPSpanExporter):
+        pass
+
+    otlp, vendor, other = _exporting(OTLPSpanExporter()), _exporting(Vendor()), SpanProcessor()
+    ours = _exporting(JsonLinesSpanExporter(tmp_path / "t.jsonl"))
+    reader = PeriodicExportingMetricReader(OTLPMetricExporter(), export_interval_millis=3_600_000)
+    distro = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_METRICS_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    try:
+        plan = plan_takeover([otlp, vendor, other], [reader], {}, distro)  # the user chose nothing
+        assert plan.kept_processors == (vendor, other) and plan.taken_processors == (otlp,)
+        assert plan.taken_readers == (reader,) and plan.spans_file and plan.metrics_file
+        chosen = plan_takeover([otlp, other], [reader], distro, distro)  # the same values, the user's
+        assert chosen.kept_processors == (otlp, other) and not chosen.taken_readers
+        assert not chosen.spans_file and not chosen.metrics_file
+        endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}  # a choice of OTLP too
+        assert plan_takeover([otlp], [reader], endpoint, {**distro, **endpoint}).kept_processors == (otlp,)
+        mine = plan_takeover([ours, otlp], [], {"OTEL_TRACES_EXPORTER": "file,otlp"}, distro)
+        assert mine.kept_processors == (otlp,) and mine.traces_path == tmp_path / "t.jsonl" and mine.spans_file
+        assert mine.metrics_file  # no metric exporter chosen, traces to a file: metrics beside them
+        none = plan_takeover([], [reader], {"OTEL_TRACES_EXPORTER": "none"}, distro)
+        assert none.taken_readers == (reader,) and not none.spans_file and not none.metrics_file
+    finally:
+        for processor in (otlp, vendor, ours):
+            processor.shutdown()
+        reader.shutdown()

@@ -114,6 +114,18 @@ class ProcessorChain:
         self._multi._span_processors = tuple(value)
 
 
+def span_exporter_of(processor: SpanProcessor) -> Any:
+    """The exporter an SDK export processor sends to: a ``BatchSpanProcessor``'s (``_batch_processor``'s
+    ``_exporter``) or a ``SimpleSpanProcessor``'s (``span_exporter``); None for any other processor."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+    if isinstance(processor, BatchSpanProcessor):
+        return getattr(getattr(processor, "_batch_processor", None), "_exporter", None)
+    if isinstance(processor, SimpleSpanProcessor):
+        return getattr(processor, "span_exporter", None)
+    return None
+
+
 def otlp_http_sender(exporter: object) -> Callable[[bytes], bool] | None:
     """For the SDK's OTLP/HTTP span exporter: a function that sends an already encoded
     ``ExportTraceServiceRequest`` through the exporter's own HTTP client (``_client.export``: its endpoint,
@@ -266,6 +278,41 @@ def set_reader_collect(reader: Any, merge: Callable[[Any], Any]) -> None:
         return merge(provider_collect(metric_reader, timeout_millis=timeout_millis))
 
     reader._set_collect_callback(collect)
+
+
+def meter_provider_readers(provider: Any) -> tuple[Any, ...]:
+    """The readers an SDK MeterProvider was made with (``_metric_readers``); () for any other provider."""
+    readers = getattr(provider, "_metric_readers", None)
+    return tuple(readers) if isinstance(readers, (list, tuple)) else ()
+
+
+def metric_exporter_of(reader: Any) -> Any:
+    """A ``PeriodicExportingMetricReader``'s exporter (``_exporter``); None for any other reader."""
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+    return getattr(reader, "_exporter", None) if isinstance(reader, PeriodicExportingMetricReader) else None
+
+
+def detach_metric_reader(provider: Any, reader: Any) -> bool:
+    """Take ``reader`` out of an SDK MeterProvider and shut it down, exporting nothing more: its ``collect``
+    made a no-op first (a periodic reader collects and exports once more as it shuts down, and
+    ``remove_metric_reader`` has already unregistered it by then: a warning), then the public
+    ``remove_metric_reader`` (measurements stop reaching it), then out of the list the provider's own
+    ``shutdown`` walks (``_metric_readers``, which ``remove_metric_reader`` leaves as it was: the reader
+    would be shut down a second time, with a warning, at exit). False, changing nothing, where the SDK
+    lacks either."""
+    remove = getattr(provider, "remove_metric_reader", None)
+    readers = getattr(provider, "_metric_readers", None)
+    if not callable(remove) or not isinstance(readers, (list, tuple)) or reader not in readers:
+        return False
+    reader.collect = _collect_nothing
+    remove(reader)
+    provider._metric_readers = tuple(r for r in readers if r is not reader)
+    return True
+
+
+def _collect_nothing(timeout_millis: float = 10_000) -> None:
+    return None
 
 
 # --- the API's global meter provider ---------------------------------------------------------------------

@@ -24,7 +24,9 @@ from opentelemetry.sdk.trace.sampling import Sampler
 from stagetrace import _state
 from stagetrace._compat import (
     ProcessorChain,
+    detach_metric_reader,
     meter_provider_is_unset,
+    meter_provider_readers,
     processors_of,
     sampler_from_env,
     set_processors,
@@ -34,13 +36,17 @@ from stagetrace.analysis import DiagnosisThresholds, Verdict
 from stagetrace.capture.head_sampler import LocalRootRecordingSampler
 from stagetrace.capture.tracer import CaptureTracerProvider
 from stagetrace.common.wire import plain
+from stagetrace.destinations.distro import plan_takeover
 from stagetrace.destinations.env import (
-    metric_export_from_env,
-    metric_readers_from_env,
-    span_export_from_env,
-    span_exporters_from_env,
+    EMBEDDED_DEFAULT,
+    Selection,
+    files_for_metrics,
+    metric_readers,
+    metric_selection,
+    span_exporters,
+    span_selection,
 )
-from stagetrace.destinations.files import JsonLinesSpanExporter, default_traces_path
+from stagetrace.destinations.files import default_metrics_path, default_traces_path, metrics_beside
 from stagetrace.destinations.shutdown import shutdown_within
 from stagetrace.runtime import Runtime
 from stagetrace.settings import Settings, disabled_from_env, slow_threshold_from_env
@@ -50,7 +56,8 @@ _current_handle: StagetraceHandle | None = None
 
 
 class StagetraceHandle:
-    """What ``configure()`` returns. ``traces_path`` is set when traces go to the embedded JSON lines file."""
+    """What ``configure()`` returns. ``traces_path`` / ``metrics_path`` are set when traces / metrics go to
+    a JSON lines file (the embedded default, or ``OTEL_*_EXPORTER=file``)."""
 
     def __init__(
         self,
@@ -60,6 +67,7 @@ class StagetraceHandle:
         traces_path: Path | None = None,
         detach: Callable[[], None] | None = None,
         exporters: Sequence[SpanExporter] = (),
+        metrics_path: Path | None = None,
     ) -> None:
         """``detach``: for a handle from ``attach()``, undoes the wrapping instead of shutting providers down."""
         self.runtime = runtime
@@ -68,6 +76,7 @@ class StagetraceHandle:
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
         self.traces_path = traces_path
+        self.metrics_path = metrics_path
         self._shut = False
 
     @property
@@ -150,14 +159,16 @@ def configure(
     traces_path: str | os.PathLike[str] | None = None,
     set_global: bool = True,
     settings: Settings | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> StagetraceHandle:
     """Set up stage tracing for this process and return a handle with ``force_flush()`` and ``shutdown()``.
 
     With no ``span_exporter`` and no ``OTEL_TRACES_EXPORTER`` / ``OTEL_EXPORTER_OTLP_*ENDPOINT`` in the
-    environment, traces go to an OTLP JSON lines file (``traces_path``, or ``./stagetrace-out/``) that
-    ``stagetrace report`` reads, and slow traces are logged; nothing tries to reach a collector.
+    environment, traces and metrics go to OTLP JSON lines files (``traces_path``, or ``./stagetrace-out/``)
+    that ``stagetrace report`` reads, and slow traces are logged; nothing tries to reach a collector.
     Calling it again replaces the previous configuration. ``STAGETRACE_DISABLED=true`` makes it, and every
-    stage, a no-op.
+    stage, a no-op. ``environ``: where the exporter variables are read (default ``os.environ``; the zero-code
+    path passes the user's, without a distro's defaults).
     """
     if disabled_from_env():
         logger.info("stagetrace: disabled by environment; stages are no-ops")
@@ -173,6 +184,7 @@ def configure(
         _as_list(span_exporter),
         _as_list(metric_reader),
         traces_path,
+        os.environ if environ is None else environ,
     )
     tracer_provider = CaptureTracerProvider(
         resource=resource,
@@ -193,9 +205,10 @@ def configure(
         return _exporter_config(
             tracer_provider,
             settings,
-            spans=plan.spans_mode,
-            metrics=plan.metrics_mode,
+            spans=plan.for_exporter_process()[0],
+            metrics=plan.for_exporter_process()[1],
             traces_path=plan.process_traces_path(),
+            metrics_path=plan.process_metrics_path(),
             return_spans=bool(plan.app_exporters),
             return_metrics=bool(plan.app_readers),
             return_verdicts=bool(callbacks),
@@ -214,14 +227,22 @@ def configure(
     tracer_provider.bind(runtime, light_spans=settings.light_spans)
     if gpu is not False:
         _enable_gpu(runtime, required=gpu is True)
-    handle = StagetraceHandle(runtime, tracer_provider, meter_provider, plan.file_path, exporters=plan.app_exporters)
+    handle = StagetraceHandle(
+        runtime,
+        tracer_provider,
+        meter_provider,
+        plan.file_path,
+        exporters=plan.app_exporters,
+        metrics_path=plan.metrics_file_path,
+    )
     _flush_at_process_exit(handle)
     _replace_handle(handle)
     _state.runtime = runtime
     if set_global:
         _set_globals(tracer_provider, meter_provider)
     if plan.file_path is not None:
-        logger.info("stagetrace: no exporter configured; writing OTLP JSON lines to %s", plan.file_path)
+        why = "no exporter configured" if plan.spans is EMBEDDED_DEFAULT else "OTEL_TRACES_EXPORTER=file"
+        logger.info("stagetrace: %s; writing OTLP JSON lines to %s", why, plan.file_path)
     return handle
 
 
@@ -258,21 +279,46 @@ def _checked_callbacks(on_verdict: Any) -> list[Callable[[Verdict], Any]]:
 @dataclass
 class _ExportPlan:
     """Where spans and metrics go. Exporter objects and readers the user passed stay in the application
-    (``app_*``) and receive what concerns them; what ``OTEL_*`` configures, or the embedded JSON lines file
-    when nothing is configured, is built by the exporter process (``*_mode``), or in the application when
-    ``Settings(export_process=False)``."""
+    (``app_*``) and receive what concerns them; what ``OTEL_*`` selects, or the embedded JSON lines files
+    when nothing is configured, is built by the exporter process (``spans`` / ``metrics``), or in the
+    application when ``Settings(export_process=False)``."""
 
     app_exporters: list[SpanExporter]
     app_readers: list[MetricReader]
-    spans_mode: str  # what the exporter process builds for spans: "none", "file" or "env"
-    metrics_mode: str  # "none" or "env"
-    file_path: Path | None  # the embedded default's file, when it applies
-    traces_path: str | os.PathLike[str] | None
+    spans: Selection | None  # what the exporter process builds for spans (None: nothing)
+    metrics: Selection | None
+    traces_path: str | os.PathLike[str] | None  # given (configure()'s argument), else the default's
     service: str | None
+    metrics_path: str | os.PathLike[str] | None = None
+    built_here: bool = False  # Settings(export_process=False): spans and metrics are in app_*
+
+    def for_exporter_process(self) -> tuple[Selection | None, Selection | None]:
+        return (None, None) if self.built_here else (self.spans, self.metrics)
+
+    @property
+    def traces_factory(self) -> Callable[[], Path] | None:
+        """For a file the application writes itself: its path again in a forked child (None: the path given)."""
+        return None if self.traces_path else lambda: default_traces_path(self.service)
+
+    @property
+    def metrics_factory(self) -> Callable[[], Path] | None:
+        return None if self.metrics_path else lambda: default_metrics_path(self.service)
 
     def process_traces_path(self) -> Path:
         """Asked in the process the exporter serves: a forked worker gets a file of its own (its pid)."""
         return Path(self.traces_path) if self.traces_path else default_traces_path(self.service)
+
+    def process_metrics_path(self) -> Path:
+        return Path(self.metrics_path) if self.metrics_path else default_metrics_path(self.service)
+
+    @property
+    def file_path(self) -> Path | None:
+        """The traces file, when one is written (the embedded default, or ``OTEL_TRACES_EXPORTER=file``)."""
+        return self.process_traces_path() if self.spans is not None and self.spans.writes_file else None
+
+    @property
+    def metrics_file_path(self) -> Path | None:
+        return self.process_metrics_path() if self.metrics is not None and self.metrics.writes_file else None
 
 
 def _plan_export(
@@ -281,25 +327,21 @@ def _plan_export(
     user_exporters: list[SpanExporter],
     user_readers: list[MetricReader],
     traces_path: str | os.PathLike[str] | None,
+    environ: Mapping[str, str],
 ) -> _ExportPlan:
-    file_default = not user_exporters and not span_export_from_env()
-    path = (Path(traces_path) if traces_path else default_traces_path(service)) if file_default else None
-    app_exporters, app_readers = user_exporters, user_readers
-    if not settings.export_process:
-        app_exporters = user_exporters or span_exporters_from_env() or []
-        if file_default:
-            factory = None if traces_path else (lambda: default_traces_path(service))
-            app_exporters = [JsonLinesSpanExporter(path or default_traces_path(service), path_factory=factory)]
-        app_readers = user_readers or metric_readers_from_env() or []
-    return _ExportPlan(
-        app_exporters=app_exporters,
-        app_readers=app_readers,
-        spans_mode="none" if user_exporters else ("file" if file_default else "env"),
-        metrics_mode="none" if user_readers else ("env" if metric_export_from_env() else "none"),
-        file_path=path,
-        traces_path=traces_path,
-        service=service,
-    )
+    spans = None if user_exporters else span_selection(environ) or EMBEDDED_DEFAULT
+    metrics = None if user_readers else metric_selection(environ)
+    if metrics is None and not user_readers and files_for_metrics(spans):
+        metrics = EMBEDDED_DEFAULT
+    metrics_path = metrics_beside(Path(traces_path)) if traces_path else None
+    plan = _ExportPlan(user_exporters, user_readers, spans, metrics, traces_path, service, metrics_path)
+    if not settings.export_process:  # built here, the exporter process's share too
+        if spans is not None:
+            plan.app_exporters = span_exporters(spans, plan.process_traces_path(), path_factory=plan.traces_factory)
+        if metrics is not None:
+            plan.app_readers = metric_readers(metrics, plan.process_metrics_path(), path_factory=plan.metrics_factory)
+        plan.built_here = True
+    return plan
 
 
 def _batching(exporters: Sequence[SpanExporter]) -> SpanProcessor | None:
@@ -316,21 +358,25 @@ def _exporter_config(
     tracer_provider: TracerProvider,
     settings: Settings,
     *,
-    spans: str,
-    metrics: str,
+    spans: Selection | None,
+    metrics: Selection | None,
     traces_path: Path,
+    metrics_path: Path,
     return_spans: bool,
     return_metrics: bool,
     return_verdicts: bool,
 ) -> dict[str, Any]:
     """What a new exporter process needs, computed in the process it serves: a forked worker's exporter
-    describes that worker (the provider refreshes ``process.pid`` after a fork) and writes its own file."""
+    describes that worker (the provider refreshes ``process.pid`` after a fork) and writes its own files.
+    The exporters are named, as the application read them, not read again from the exporter's own
+    environment (where a distro's defaults would be)."""
     return {
         "settings": plain(settings.to_dict()),
         "resource": plain(dict(tracer_provider.resource.attributes)),
-        "spans": spans,
-        "metrics": metrics,
+        "spans": None if spans is None else [list(spans.names), spans.protocol],
+        "metrics": None if metrics is None else [list(metrics.names), metrics.protocol],
         "traces_path": str(traces_path),
+        "metrics_path": str(metrics_path),
         "return_spans": return_spans,
         "return_metrics": return_metrics,
         "return_verdicts": return_verdicts,
@@ -344,36 +390,72 @@ def attach(
     on_verdict: Callable[[Verdict], Any] | Sequence[Callable[[Verdict], Any]] | None = None,
     settings: Settings | None = None,
     gpu: bool | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> StagetraceHandle:
     """Put stagetrace in front of an existing SDK TracerProvider's processors (a user's distro, configurator
     or own setup): their exporters then receive the verdict-bearing roots and the stage spans. Nothing of
-    theirs is replaced; ``handle.shutdown()`` restores the processors as they were."""
+    theirs is replaced; ``handle.shutdown()`` restores the processors as they were.
+
+    ``environ`` (the zero-code path: the user's variables, ``destinations.env.users_environment``): what a
+    distro built from its own defaults rather than the user's choice, and stagetrace's own JSON lines
+    exporters, move to stagetrace (``destinations.distro``): it writes the JSON lines files itself."""
     chain = ProcessorChain(tracer_provider)
     settings = settings or Settings(slow_threshold_ms=slow_threshold_from_env())
     settings.validate()
     callbacks = _as_list(on_verdict)
     downstream = SynchronousMultiSpanProcessor()
     meters = meter_provider or metrics_api.get_meter_provider()
+    with chain.locked():
+        takeover = plan_takeover(chain.processors, meter_provider_readers(meters), environ or os.environ, os.environ)
+        set_processors(downstream, takeover.kept_processors)
+        chain.processors = takeover.kept_processors
+    for taken in takeover.taken_processors:
+        taken.shutdown()
+    readers_left = len(meter_provider_readers(meters)) - len(takeover.taken_readers)
+    for reader in takeover.taken_readers:
+        if not detach_metric_reader(meters, reader):
+            readers_left += 1  # it stays where it is
+    service = tracer_provider.resource.attributes.get(SERVICE_NAME)
+    plan = _ExportPlan(
+        [],
+        [],
+        EMBEDDED_DEFAULT if takeover.spans_file else None,
+        EMBEDDED_DEFAULT if takeover.metrics_file else None,
+        takeover.traces_path,
+        service if isinstance(service, str) else None,
+        takeover.metrics_path,
+    )
+    local_metrics = readers_left > 0 or not isinstance(meters, MeterProvider)  # a provider not the SDK's: as before
+    if not settings.export_process:  # the files written here, beside the provider's own exporters
+        if plan.spans is not None:
+            for exporter in span_exporters(plan.spans, plan.process_traces_path(), path_factory=plan.traces_factory):
+                downstream.add_span_processor(BatchSpanProcessor(exporter))
+        add_reader = getattr(meters, "add_metric_reader", None)  # the SDK's, 1.4x on
+        if plan.metrics is not None and callable(add_reader):
+            for reader in metric_readers(plan.metrics, plan.process_metrics_path(), path_factory=plan.metrics_factory):
+                add_reader(reader)
+                local_metrics = True
+        plan.built_here = True
 
     def exporter_config() -> dict[str, Any]:
+        spans, metrics = plan.for_exporter_process()
         return _exporter_config(
             tracer_provider,
             settings,
-            spans="none",
-            metrics="none",
-            traces_path=default_traces_path(None),
-            return_spans=True,
-            return_metrics=True,
+            spans=spans,
+            metrics=metrics,
+            traces_path=plan.process_traces_path(),
+            metrics_path=plan.process_metrics_path(),
+            return_spans=bool(processors_of(downstream)),
+            return_metrics=local_metrics,
             return_verdicts=bool(callbacks),
         )
 
-    with chain.locked():
-        set_processors(downstream, chain.processors)
     runtime = Runtime(
         tracer_provider=tracer_provider,
         meter_provider=meters,
         local=downstream,
-        local_metrics=True,
+        local_metrics=local_metrics,
         settings=settings,
         on_verdict=callbacks,
         exporter_config=exporter_config,
@@ -389,9 +471,13 @@ def attach(
 
     if gpu is not False:
         _enable_gpu(runtime, required=gpu is True)
-    handle = StagetraceHandle(runtime, tracer_provider, meter_provider, None, detach=detach)
+    handle = StagetraceHandle(
+        runtime, tracer_provider, meter_provider, plan.file_path, detach=detach, metrics_path=plan.metrics_file_path
+    )
     _replace_handle(handle)
     _state.runtime = runtime
+    if plan.file_path is not None:
+        logger.info("stagetrace: writing OTLP JSON lines to %s", plan.file_path)
     return handle
 
 

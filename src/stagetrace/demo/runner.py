@@ -223,7 +223,7 @@ def run_demo(
     requests = requests or pipelines.DEFAULT_REQUESTS[pipeline]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("traces-stagetrace-demo-*.jsonl*"):
+    for old in [*out.glob("traces-stagetrace-demo-*.jsonl*"), *out.glob("metrics-stagetrace-demo-*.jsonl*")]:
         old.unlink()
     traces_path = out / f"traces-stagetrace-demo-{os.getpid()}.jsonl"
     aggregators: dict[str, Aggregator] = {}

@@ -1,10 +1,18 @@
-"""Exporters from the standard ``OTEL_*`` variables. Returns None when nothing is configured, so that
-stagetrace can fall back to its embedded default instead of retrying a collector that is not there."""
+"""Exporters from the standard ``OTEL_*`` variables, in two steps: the application reads what they select
+(``span_selection`` / ``metric_selection``: names and protocol, checked, a clear error for a bad value, at
+``configure()``), and whichever process exports builds the exporters from that selection. A selection of
+None means nothing is configured, so that stagetrace falls back to its embedded default instead of
+retrying a collector that is not there.
+
+Where a distro ran first (``opentelemetry-instrument`` with ``opentelemetry-distro``), some of these
+variables hold its defaults, not the user's choice: ``users_environment`` leaves those out."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter
@@ -12,59 +20,92 @@ from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter
 _TRACE_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 _METRIC_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
 PROTOCOLS = ("grpc", "http/protobuf")
+SPAN_EXPORTERS = ("otlp", "console", "file", "stagetrace_file", "none")  # stagetrace_file: file's other name
+METRIC_EXPORTERS = ("otlp", "console", "file", "none")
+FILE_NAMES = frozenset({"file", "stagetrace_file"})
+
+# The variables a distro may set as defaults before stagetrace is loaded (OpenTelemetry's distro sets the
+# three exporters to otlp and the protocol to grpc).
+EXPORT_VARIABLES = (
+    "OTEL_TRACES_EXPORTER",
+    "OTEL_METRICS_EXPORTER",
+    "OTEL_LOGS_EXPORTER",
+    "OTEL_EXPORTER_OTLP_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
+)
 
 
-def _names(var: str, endpoint_vars: tuple[str, ...]) -> list[str] | None:
-    raw = os.environ.get(var)
-    if raw is None or not raw.strip():
-        return ["otlp"] if any(os.environ.get(v) for v in endpoint_vars) else None
-    return [n.strip().lower() for n in raw.split(",") if n.strip()]
+class Selection(NamedTuple):
+    """What the variables select for one signal: exporter names in order (``none`` left out, so an empty
+    tuple exports nothing) and the OTLP protocol (read where ``otlp`` is among them)."""
+
+    names: tuple[str, ...]
+    protocol: str = "http/protobuf"
+
+    @property
+    def writes_file(self) -> bool:
+        return bool(FILE_NAMES.intersection(self.names))
 
 
-def _protocol(signal: str) -> str:
+EMBEDDED_DEFAULT = Selection(("file",))
+
+
+def files_for_metrics(spans: Selection | None) -> bool:
+    """Where the user chose no metric exporter: the metrics go to a JSON lines file beside the traces' when
+    the traces go to one (the embedded default, or ``file``), and nowhere otherwise (trace export to a
+    collector, or ``none``: as OpenTelemetry without stagetrace)."""
+    return spans is not None and spans.writes_file
+
+
+def _protocol(env: Mapping[str, str], signal: str) -> str:
     raw = (
-        os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or ""
+        env.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or ""
     ).strip() or "http/protobuf"  # the specification's default
     if raw not in PROTOCOLS:
         raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL must be one of {', '.join(PROTOCOLS)}; got {raw!r}")
     return raw
 
 
-_SPAN_EXPORTERS = ("otlp", "console", "file", "stagetrace_file", "none")
-_METRIC_EXPORTERS = ("otlp", "console", "none")
-
-
-def _checked_names(var: str, endpoint_vars: tuple[str, ...], known: tuple[str, ...], signal: str) -> list[str] | None:
-    names = _names(var, endpoint_vars)
-    for name in names or ():
+def _selection(
+    env: Mapping[str, str], var: str, endpoint_vars: tuple[str, ...], known: tuple[str, ...], signal: str
+) -> Selection | None:
+    raw = env.get(var)
+    if raw is None or not raw.strip():
+        if not any(env.get(v) for v in endpoint_vars):
+            return None
+        names = ["otlp"]
+    else:
+        names = [n.strip().lower() for n in raw.split(",") if n.strip()]
+    for name in names:
         if name not in known:
             raise ValueError(
                 f"{var}: unknown exporter {name!r} (use {', '.join(k for k in known if k != 'stagetrace_file')})"
             )
-        if name == "otlp":
-            _protocol(signal)
-    return names
+    protocol = _protocol(env, signal) if "otlp" in names else "http/protobuf"
+    return Selection(tuple(n for n in names if n != "none"), protocol)
 
 
-def span_export_from_env() -> bool:
-    """Do the ``OTEL_*`` variables configure trace export? Checks them (a clear error for a bad value, in
-    the application, at ``configure()``) without building an exporter."""
-    return _checked_names("OTEL_TRACES_EXPORTER", _TRACE_ENDPOINT_VARS, _SPAN_EXPORTERS, "TRACES") is not None
+def span_selection(env: Mapping[str, str] | None = None) -> Selection | None:
+    """What ``OTEL_TRACES_EXPORTER`` and the OTLP variables select for traces (default: ``os.environ``)."""
+    return _selection(os.environ if env is None else env, "OTEL_TRACES_EXPORTER", _TRACE_ENDPOINT_VARS,
+                      SPAN_EXPORTERS, "TRACES")  # fmt: skip
 
 
-def metric_export_from_env() -> bool:
-    return _checked_names("OTEL_METRICS_EXPORTER", _METRIC_ENDPOINT_VARS, _METRIC_EXPORTERS, "METRICS") is not None
+def metric_selection(env: Mapping[str, str] | None = None) -> Selection | None:
+    return _selection(os.environ if env is None else env, "OTEL_METRICS_EXPORTER", _METRIC_ENDPOINT_VARS,
+                      METRIC_EXPORTERS, "METRICS")  # fmt: skip
 
 
-def span_exporters_from_env(file_path: Path | None = None) -> list[SpanExporter] | None:
-    """``file_path``: where the ``file`` exporter writes (default: ``default_traces_path`` for this process)."""
-    names = _checked_names("OTEL_TRACES_EXPORTER", _TRACE_ENDPOINT_VARS, _SPAN_EXPORTERS, "TRACES")
-    if names is None:
-        return None
+def span_exporters(
+    selection: Selection, file_path: Path, path_factory: Callable[[], Path] | None = None
+) -> list[SpanExporter]:
+    """``file_path``: where ``file`` writes, computed in the application (named after its pid);
+    ``path_factory``: the path again in a forked child, where the application builds the exporter itself."""
     exporters: list[SpanExporter] = []
-    for name in names:  # "none" adds nothing
+    for name in selection.names:
         if name == "otlp":
-            if _protocol("TRACES") == "grpc":
+            if selection.protocol == "grpc":
                 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcSpans
 
                 exporters.append(GrpcSpans())
@@ -74,22 +115,20 @@ def span_exporters_from_env(file_path: Path | None = None) -> list[SpanExporter]
                 exporters.append(HttpSpans())
         elif name == "console":
             exporters.append(ConsoleSpanExporter())
-        elif name in ("file", "stagetrace_file"):
-            from stagetrace.destinations.files import JsonLinesSpanExporter, default_traces_path
+        elif name in FILE_NAMES:
+            from stagetrace.destinations.files import JsonLinesSpanExporter
 
-            path = file_path or default_traces_path(os.environ.get("OTEL_SERVICE_NAME"))
-            exporters.append(JsonLinesSpanExporter(path))
+            exporters.append(JsonLinesSpanExporter(file_path, path_factory=path_factory))
     return exporters
 
 
-def metric_readers_from_env() -> list[MetricReader] | None:
-    names = _checked_names("OTEL_METRICS_EXPORTER", _METRIC_ENDPOINT_VARS, _METRIC_EXPORTERS, "METRICS")
-    if names is None:
-        return None
+def metric_readers(
+    selection: Selection, file_path: Path, path_factory: Callable[[], Path] | None = None
+) -> list[MetricReader]:
     readers: list[MetricReader] = []
-    for name in names:  # "none" adds nothing
+    for name in selection.names:
         if name == "otlp":
-            if _protocol("METRICS") == "grpc":
+            if selection.protocol == "grpc":
                 from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcMetrics
 
                 readers.append(PeriodicExportingMetricReader(GrpcMetrics()))
@@ -101,4 +140,41 @@ def metric_readers_from_env() -> list[MetricReader] | None:
             from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
 
             readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter()))
+        elif name == "file":
+            from stagetrace.destinations.files import JsonLinesMetricExporter
+
+            readers.append(PeriodicExportingMetricReader(JsonLinesMetricExporter(file_path, path_factory=path_factory)))
     return readers
+
+
+def starting_environment() -> dict[str, str] | None:
+    """The environment this process was started with (Linux: ``/proc/self/environ``, which changes to
+    ``os.environ`` do not reach), or None where it cannot be read."""
+    try:
+        with open("/proc/self/environ", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    env = {}
+    for entry in raw.split(b"\0"):
+        key, sep, value = entry.partition(b"=")
+        if sep:
+            env[os.fsdecode(key)] = os.fsdecode(value)
+    return env
+
+
+def set_since_start(start: Mapping[str, str] | None = None) -> frozenset[str]:
+    """The export variables ``os.environ`` holds that the process did not start with: defaults a distro set
+    before stagetrace was loaded (``start``: the starting environment, read when not given). Empty where
+    the starting environment cannot be read: every variable is then taken as the user's."""
+    start = starting_environment() if start is None else start
+    if start is None:
+        return frozenset()
+    return frozenset(v for v in EXPORT_VARIABLES if v in os.environ and v not in start)
+
+
+def users_environment(start: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``os.environ`` less the export variables a distro set: what the user chose (in the environment, or
+    with ``opentelemetry-instrument``'s options, which become variables before the program starts)."""
+    added = set_since_start(start)
+    return {k: v for k, v in os.environ.items() if k not in added}

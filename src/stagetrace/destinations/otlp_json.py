@@ -1,5 +1,5 @@
-"""OTLP JSON, the format of the Collector's file exporter: one ``ExportTraceServiceRequest`` per line,
-lowerCamelCase keys, hex trace and span ids, enums as integers."""
+"""OTLP JSON, the format of the Collector's file exporter: one ``ExportTraceServiceRequest`` (or
+``ExportMetricsServiceRequest``) per line, lowerCamelCase keys, hex trace and span ids, enums as integers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
+from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.metrics.export import MetricsData
 from opentelemetry.sdk.trace import ReadableSpan
 
 _ID_KEYS = ("traceId", "spanId", "parentSpanId")
@@ -38,3 +40,16 @@ def spans_to_otlp_json(spans: Sequence[ReadableSpan]) -> dict[str, Any]:
 
 def spans_to_otlp_json_line(spans: Sequence[ReadableSpan]) -> str:
     return json.dumps(spans_to_otlp_json(spans), separators=(",", ":")) + "\n"
+
+
+def metrics_to_otlp_json_line(data: MetricsData) -> str:
+    """Exemplars carry trace and span ids too: hex, as on spans."""
+    doc = MessageToDict(encode_metrics(data), use_integers_for_enums=True)
+    for rm in doc.get("resourceMetrics", ()):
+        for sm in rm.get("scopeMetrics", ()):
+            for metric in sm.get("metrics", ()):
+                for kind in ("sum", "gauge", "histogram", "exponentialHistogram"):
+                    for point in metric.get(kind, {}).get("dataPoints", ()):
+                        for exemplar in point.get("exemplars", ()):
+                            _fix_ids(exemplar)
+    return json.dumps(doc, separators=(",", ":")) + "\n"

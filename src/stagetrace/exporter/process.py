@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from opentelemetry.sdk.metrics import MeterProvider
@@ -33,8 +34,7 @@ from stagetrace._safety import logger
 from stagetrace.analysis import Verdict
 from stagetrace.common import wire
 from stagetrace.common.channel import FrameReader, encode_frame
-from stagetrace.destinations.env import metric_readers_from_env, span_exporters_from_env
-from stagetrace.destinations.files import JsonLinesSpanExporter
+from stagetrace.destinations.env import Selection, metric_readers, span_exporters
 from stagetrace.destinations.shutdown import shutdown_within
 from stagetrace.exporter.aggregation import AggregatedMetrics
 from stagetrace.exporter.core import ExporterCore
@@ -132,11 +132,8 @@ class Exporter:
     def __init__(self, config: dict[str, Any], sender: ResultSender) -> None:
         self.settings = Settings.from_dict(config["settings"])
         self.resource = wire.StableResource(dict(config["resource"]))
-        self.exporters: list[SpanExporter] = []
-        if config["spans"] == "env":
-            self.exporters = span_exporters_from_env() or []
-        elif config["spans"] == "file":
-            self.exporters = [JsonLinesSpanExporter(config["traces_path"])]
+        spans, metrics = _selection(config["spans"]), _selection(config["metrics"])
+        self.exporters: list[SpanExporter] = span_exporters(spans, Path(config["traces_path"])) if spans else []
         # The SDK's OTLP/HTTP exporter gets bytes encoded from the wire spans (otlp_encoding), through its own
         # client; any other exporter gets SDK spans through a BatchSpanProcessor.
         self.wire_sinks: list[WireBatchSink] = []
@@ -156,7 +153,7 @@ class Exporter:
             for p in processors:
                 multi.add_span_processor(p)
             self.processor = multi
-        readers = (metric_readers_from_env() or []) if config["metrics"] == "env" else []
+        readers = metric_readers(metrics, Path(config["metrics_path"])) if metrics else []
         self.meter_provider = MeterProvider(metric_readers=readers, resource=self.resource, shutdown_on_exit=False)
         own_metrics: MetricsSink = NoMetrics()
         if readers:
@@ -190,6 +187,14 @@ class Exporter:
         steps.append(lambda: self.meter_provider.shutdown(timeout_millis=int(deadline_s * 1000)))
         abandon = [sink.abandon for sink in self.wire_sinks] + [e.shutdown for e in self.exporters]
         shutdown_within(deadline_s, steps, abandon)
+
+
+def _selection(raw: Any) -> Selection | None:
+    """The application's selection as it travels in the configuration: ``[names, protocol]`` or None."""
+    if raw is None:
+        return None
+    names, protocol = raw
+    return Selection(tuple(str(n) for n in names), str(protocol))
 
 
 def _die_with_parent() -> None:

@@ -3,6 +3,10 @@ verdicts. Loaded through the ``opentelemetry_instrumentor`` entry point, after a
 has built the SDK: stagetrace then wraps that provider's processors (``attach``); with no SDK configured
 it configures itself from the ``OTEL_*`` variables (or the embedded default). It never registers a
 configurator of its own, so a user's distro keeps working.
+
+Either way it reads the user's choices, not a distro's defaults (``env.users_environment``): with nothing
+chosen, the traces and metrics go to the embedded default's JSON lines files, as without a distro, instead
+of to a collector on localhost that the distro assumed.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from stagetrace import _state
 from stagetrace._safety import logger
+from stagetrace.destinations.env import users_environment
 from stagetrace.integrations.asgi import install_request_signals, uninstall_request_signals
 from stagetrace.integrations.threads import propagate_context_to_threads, stop_propagating_context
 from stagetrace.settings import auto_stages_from_env, disabled_from_env
@@ -34,13 +39,14 @@ class StagetraceInstrumentor(BaseInstrumentor):
         from stagetrace.configuration import attach, configure
 
         if _state.runtime is None:
+            users = users_environment()
             provider = kwargs.get("tracer_provider") or trace_api.get_tracer_provider()
             if isinstance(provider, TracerProvider):
                 meter_provider = kwargs.get("meter_provider") or metrics_api.get_meter_provider()
-                self._handle = attach(provider, meter_provider)
+                self._handle = attach(provider, meter_provider, environ=users)
                 logger.info("stagetrace: attached to the configured TracerProvider")
             else:
-                self._handle = configure()
+                self._handle = configure(environ=users)
         install_request_signals()
         propagate_context_to_threads()
         if auto_stages_from_env():
