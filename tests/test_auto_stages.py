@@ -43,14 +43,90 @@ def test_pil_decode_and_resize_become_stages(auto):
     assert names.count("decode") == 1 and names.count("resize") == 1
 
 
-def test_outermost_module_forward_is_one_gpu_kind_stage(auto):
+def test_the_outermost_module_forward_is_one_stage_of_its_devices_kind(auto):
+    """A CPU model's forward is a cpu stage (the CPU rules judge it, the report does not colour it GPU);
+    the submodules' calls are inside it."""
     harness, _ = auto
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     with stagetrace.pipeline("infer"), torch.no_grad():
         model(torch.ones(1, 8))
     forwards = [s for s in harness.spans() if s.name == "forward"]
-    assert len(forwards) == 1  # the submodules' calls are inside it
-    assert forwards[0].attributes[c.STAGE_KIND] == "gpu"
+    assert len(forwards) == 1
+    assert forwards[0].attributes[c.STAGE_KIND] == "cpu"
+    assert c.GPU_DURATION_MS not in forwards[0].attributes
+
+
+class _Meta(torch.nn.Module):
+    """A module that holds no tensor on the CPU: its parameter lives on the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(2, device="meta"))
+
+    def forward(self, x):
+        return x
+
+
+class _Resize(torch.nn.Module):
+    """As torchvision's transforms are: a module with no parameters, called on a PIL image."""
+
+    def forward(self, image):
+        return image.resize((8, 8))
+
+
+def test_where_a_forward_runs_is_read_from_the_module_or_its_input():
+    read = auto_stages.module_device_type
+    assert read(torch.nn.Linear(2, 2), (), {}) == "cpu"
+    assert read(_Meta(), (), {}) == "meta"  # not the CPU: a device's stage (CUDA events where CUDA)
+    assert read(torch.nn.ReLU(), (torch.ones(2, device="meta"),), {}) == "meta"  # no parameters: its input's
+    assert read(torch.nn.ReLU(), (), {"input": torch.ones(2)}) == "cpu"
+    assert read(_Resize(), (Image.new("RGB", (4, 4)),), {}) is None
+
+
+def test_a_module_on_another_device_is_a_gpu_kind_stage(auto):
+    harness, _ = auto
+    with stagetrace.pipeline("infer"):
+        _Meta()(torch.ones(1))
+    (forward,) = [s for s in harness.spans() if s.name == "forward"]
+    assert forward.attributes[c.STAGE_KIND] == "gpu"
+
+
+def test_transforms_inside_an_automatic_stage_are_not_forward_stages(harness, monkeypatch):
+    """torchvision's ``Compose`` is the ``transforms`` stage; its ``Resize`` is an ``nn.Module``, which must
+    not become a ``forward`` inside it (it was: ``transforms > forward > resize``); nor is a parameterless
+    module given an image a forward on its own."""
+    fake = types.ModuleType("torchvision")
+    fake.__spec__ = importlib.machinery.ModuleSpec("torchvision", None)
+    transforms = types.ModuleType("torchvision.transforms")
+
+    class Compose:
+        def __init__(self, steps):
+            self.steps = steps
+
+        def __call__(self, image):
+            for step in self.steps:
+                image = step(image)
+            return image
+
+    transforms.Compose = Compose
+    fake.transforms = transforms
+    monkeypatch.setitem(sys.modules, "torchvision", fake)
+    monkeypatch.setitem(sys.modules, "torchvision.transforms", transforms)
+    auto_stages.instrument()
+    try:
+        with stagetrace.pipeline("preprocess"):
+            Compose([_Resize()])(Image.new("RGB", (64, 64)))
+            _Resize()(Image.new("RGB", (64, 64)))
+        stages = [s for s in harness.spans() if c.STAGE in s.attributes]
+        assert sorted(s.name for s in stages) == ["resize", "resize", "transforms"]
+        (inner,) = [
+            s
+            for s in stages
+            if s.name == "resize" and s.parent.span_id != harness.by_name("preprocess")[0].context.span_id
+        ]
+        assert inner.parent.span_id == next(s for s in stages if s.name == "transforms").context.span_id
+    finally:
+        auto_stages.uninstrument()
 
 
 def test_dtype_casts_are_not_copies():

@@ -8,13 +8,15 @@ Without decorating anything, these become stages:
 | ``torchvision.transforms.Compose.__call__`` | ``transforms`` | cpu |
 | a Hugging Face tokenizer call (``PreTrainedTokenizerBase.__call__``) | ``tokenize`` | cpu |
 | torch copies between host and device (``Tensor.to``) | ``h2d``, ``d2h`` | h2d, d2h |
-| the forward of the outermost ``nn.Module`` call | ``forward`` | gpu |
+| the forward of the outermost ``nn.Module`` call | ``forward`` | its device's: gpu (CUDA events) or cpu |
 | FastAPI's response serialisation (``serialize_response``) (*) | ``serialize`` | cpu |
 
 (*) unless FastAPI's own telemetry already times it as ``fastapi.serialization``, which is then the stage.
 
 Only libraries that are installed are patched; ``uninstrument()`` restores every original. Nested calls
-(a module inside a module, ``load`` inside ``resize``) become one stage, the outermost.
+(a module inside a module, ``load`` inside ``resize``) become one stage, the outermost; a module called
+inside another automatic stage (a torchvision transform inside ``transforms``) is part of it, and a module
+with no parameters given no tensor is no ``forward``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import importlib.util
+import itertools
 from typing import Any
 
 from opentelemetry.trace import get_current_span
@@ -114,15 +117,35 @@ def _tensor_to(original: Any) -> Any:
     return to
 
 
+def module_device_type(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Where a module's forward runs: the device type of its first parameter or buffer, else of its first
+    tensor argument; None for a module with neither (a torchvision transform given a PIL image)."""
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        return str(tensor.device.type)
+    for value in itertools.chain(args, kwargs.values()):
+        device = getattr(value, "device", None)
+        if device is not None and hasattr(value, "dtype"):
+            return str(device.type)
+    return None
+
+
 def _module_call(original: Any) -> Any:
+    """The outermost module call is the ``forward`` stage, of the kind of the device it runs on: CUDA-event
+    timed ``gpu`` on a CUDA device, ``cpu`` on the CPU (judged by the CPU rules like any CPU stage). A
+    module called inside another automatic stage (a torchvision transform inside ``transforms``, a layer
+    inside the model's forward) is part of that stage, not a forward of its own."""
+
     @functools.wraps(original)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         inside = _inside.get()
-        if "forward" in inside:
+        if inside:
+            return original(self, *args, **kwargs)
+        device_type = module_device_type(self, args, kwargs)
+        if device_type is None:
             return original(self, *args, **kwargs)
         token = _inside.set(inside | {"forward"})
         try:
-            with GpuStage("forward"):
+            with GpuStage("forward") if device_type != "cpu" else Stage("forward", "cpu"):
                 return original(self, *args, **kwargs)
         finally:
             _inside.reset(token)
