@@ -196,9 +196,10 @@ def stagetrace_env(monkeypatch: pytest.MonkeyPatch, export_mode: str) -> None:
     monkeypatch.setenv("STAGETRACE_EXPORT_PROCESS", "on" if export_mode == "process" else "off")
 
 
-@pytest.fixture(params=["process", "thread"], name="export_mode")
+@pytest.fixture(params=["process", pytest.param("thread", marks=pytest.mark.slow)], name="export_mode")
 def both_modes(request: pytest.FixtureRequest) -> str:
-    """Import into a test module as ``export_mode = both_modes`` to run its tests in both modes."""
+    """Import into a test module as ``export_mode = both_modes`` to run its tests in both modes. The quick loop
+    runs the default mode (the exporter process); the thread mode's run is in the full suite."""
     return request.param
 
 

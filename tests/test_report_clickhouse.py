@@ -59,7 +59,8 @@ def load(path: Path, lines: list[str], transform=None, source: Source = SOURCE) 
 
 
 def jsonl(directory: Path) -> list[str]:
-    return [ln for f in sorted(directory.glob("*.jsonl")) for ln in f.read_text().splitlines() if ln.strip()]
+    """The trace lines (what the Collector's ClickHouse exporter stores), not the metrics beside them."""
+    return [ln for f in sorted(directory.glob("traces-*.jsonl")) for ln in f.read_text().splitlines() if ln.strip()]
 
 
 def file_report(paths: list[str], **kw) -> dict:
@@ -82,6 +83,8 @@ def within_sketch_error(a: float, b: float) -> bool:
 
 def assert_same_report(files: dict, ch: dict) -> None:
     assert ch["traces"] == files["traces"] and ch["slow_traces"] == files["slow_traces"]
+    assert ch["requests"] == pytest.approx(files["requests"]) and ch["sampled"] == files["sampled"]
+    assert ch["slow_requests"] == pytest.approx(files["slow_requests"])
     assert ch["bottlenecks"] == files["bottlenecks"]
     assert ch["diagnoses"] == files["diagnoses"]
     for q in ("p50", "p95", "p99"):
@@ -140,6 +143,7 @@ def test_the_demos_traces_in_clickhouse_give_the_file_reports_numbers(demo):
         assert_same_report(file_report([str(out)], route=route), ch)
 
 
+@pytest.mark.slow  # the demo fixture runs `stagetrace demo` (~4 s)
 def test_groups_of_a_resource_attribute_are_compared_with_each_groups_own_numbers(demo, tmp_path):
     """Traces tagged service.version 1.0 / 1.1 by their trace id: each group's numbers are those of the file
     report's analysis of that group's traces alone."""
@@ -179,6 +183,7 @@ def test_groups_of_a_resource_attribute_are_compared_with_each_groups_own_number
     assert 'id="groups"' in html and 'id="group-stages"' in html and html.count('<svg class="waterfall"') >= 5
 
 
+@pytest.mark.slow  # the demo fixture runs `stagetrace demo` (~4 s)
 def test_time_window_and_service_select_roots(demo):
     out, db = demo
     starts = sorted(
@@ -315,6 +320,7 @@ def http_clickhouse(demo) -> Iterator[str]:
         ClickHouseOverChdb.session.close()
 
 
+@pytest.mark.slow  # the demo fixture runs `stagetrace demo` (~4 s)
 def test_the_http_client_reads_the_same_report_as_chdb(demo, http_clickhouse):
     out, _ = demo
     rc, ch, err = ch_report(http_clickhouse, group_by="service.name")
@@ -440,8 +446,8 @@ def test_times_are_read_as_durations_dates_or_epoch_seconds():
 
 def test_the_cli_says_which_options_need_clickhouse(capsys):
     with pytest.raises(SystemExit):
-        main(["report", "--since", "1h", "somewhere"])
-    assert "only with --clickhouse: --since" in capsys.readouterr().err
+        main(["report", "--group-by", "service.version", "somewhere"])
+    assert "only with --clickhouse: --group-by" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["report", "x.jsonl", "--clickhouse", "chdb:/nowhere"])
     assert "not both" in capsys.readouterr().err
@@ -456,3 +462,30 @@ def test_a_missing_extra_names_the_install_command(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "chdb.session", None)  # import fails as if not installed
     rc, _, err = ch_report(f"chdb:{tmp_path}")
     assert rc == 2 and "pip install 'stagetrace[clickhouse]'" in err
+
+
+def sampled_root(trace: str, total_ms: float, weight: float, codes=()) -> str:
+    """A kept trace with its stored verdict, standing for ``weight`` requests."""
+    attrs = {
+        c.TOTAL_MS: total_ms, c.SLOW: total_ms > 200, c.STAGES: ["work"], c.STAGES_MS: [total_ms],
+        c.BOTTLENECK_STAGE: "work", c.BOTTLENECK_RATIO: 1.0, c.SAMPLING_ADJUSTED_COUNT: weight,
+        **({c.DIAGNOSIS: list(codes)} if codes else {}),
+    }  # fmt: skip
+    root = span(trace, "a" * 16, "", "GET /p", 0, total_ms, attrs, kind=2)
+    return line("svc", [root, stage(trace, "b" * 16, "a" * 16, "work", 0, total_ms)])
+
+
+def test_sampled_traces_are_weighted_in_clickhouse_as_in_the_files(tmp_path):
+    """Each stored verdict's adjusted count weighs its facts in the SQL as ``Aggregator.add`` weighs them: the
+    same requests, slow requests, shares, diagnoses and quantiles."""
+    lines = [sampled_root(f"{i:032x}", 1.0 + i / 100, 10.0) for i in range(1, 4)]
+    lines += [sampled_root(f"{i:032x}", 300.0, 2.0, codes=("QUEUEING",)) for i in range(4, 6)]
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    load(tmp_path / "db", lines)
+    files = file_report([str(tmp_path / "t.jsonl")])
+    rc, ch, err = ch_report(f"chdb:{tmp_path / 'db'}")
+    assert rc == 0, err
+    assert files["traces"] == 5 and files["requests"] == 34 and files["slow_requests"] == 4
+    assert files["diagnoses"] == {"QUEUEING": 4} and files["stages"]["work"]["bottleneck_traces"] == 34
+    assert files["total_ms"]["p50"] < 2.0 < files["total_ms"]["p95"]  # 30 of the 34 requests took ~1 ms
+    assert_same_report(files, ch)
