@@ -17,6 +17,8 @@ def kv(key, value):
         v = {"intValue": str(value)}
     elif isinstance(value, float):
         v = {"doubleValue": value}
+    elif isinstance(value, (list, tuple)):
+        v = {"arrayValue": {"values": [kv("", x)["value"] for x in value]}}
     else:
         v = {"stringValue": value}
     return {"key": key, "value": v}

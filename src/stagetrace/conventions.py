@@ -65,6 +65,9 @@ GIL_PRESSURE_MS = "stagetrace.gil.pressure_ms"
 CPU_PRESSURE_MS = "stagetrace.cpu.pressure_ms"  # mean run-queue wait of the GIL monitor's wake-ups
 LOOP_LAG_MS = "stagetrace.loop.lag_ms"
 LOOP_HELD_MS = "stagetrace.loop.held_ms"  # the part of the worst stall that work on the loop's thread explains
+# how many traces a kept root stands for (the healthy share's 1/p, and the traces of its signature the export
+# budget left out since the previous kept one): stagetrace report weights counts and percentiles by it
+SAMPLING_ADJUSTED_COUNT = "stagetrace.sampling.adjusted_count"
 
 # --- span events -----------------------------------------------------------------------------------------
 DIAGNOSIS_EVENT = "stagetrace.diagnosis"
@@ -349,6 +352,14 @@ ATTRIBUTE_REFERENCE: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         "int",
         ("root",),
         "the most other requests any of this request's sync stages held back on its loop",
+    ),
+    (
+        SAMPLING_ADJUSTED_COUNT,
+        "double",
+        ("root",),
+        "how many traces this kept trace stands for: 1 / the healthy share for a healthy sample (else 1), plus "
+        "the adjusted counts of the traces of its signature the export budget left out since the previous one "
+        "kept; `stagetrace report` weights its counts and percentiles by it",
     ),
     (
         ROOT_SHIFTED_MS,

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--html", metavar="FILE", help="also write a self-contained HTML page")
     report.add_argument("--slow-threshold-ms", type=float, default=DEFAULT_SLOW_THRESHOLD_MS)
     report.add_argument("--route", help="only traces whose root has this http.route")
+    report.add_argument("--since", help="roots from this time: 90m, 24h, 7d (before now), 2026-11-30T12:00Z, epoch s")
+    report.add_argument("--until", help="roots before this time (same forms as --since)")
     fleet = report.add_argument_group(
         "ClickHouse (the OpenTelemetry Collector's clickhouse exporter; pip install 'stagetrace[clickhouse]')"
     )
@@ -45,8 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fleet.add_argument("--database", help="the exporter's `database` (default: default)")
     fleet.add_argument("--traces-table", help="the exporter's `traces_table_name` (default: otel_traces)")
-    fleet.add_argument("--since", help="roots from this time: 24h, 7d (before now), 2026-11-30T12:00Z")
-    fleet.add_argument("--until", help="roots before this time (same forms as --since)")
     fleet.add_argument("--service", help="only this service (the exporter's ServiceName)")
     fleet.add_argument(
         "--group-by", metavar="ATTRIBUTE", help="compare groups of a resource attribute: service.version, k8s.pod.name"
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-CLICKHOUSE_ONLY = ("database", "traces_table", "since", "until", "service", "group_by")
+CLICKHOUSE_ONLY = ("database", "traces_table", "service", "group_by")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +83,8 @@ def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "html_path": args.html,
         "slow_threshold_ms": args.slow_threshold_ms,
         "route": args.route,
+        "since": args.since,
+        "until": args.until,
     }
     if args.clickhouse is None:
         given = [f"--{name.replace('_', '-')}" for name in CLICKHOUSE_ONLY if getattr(args, name) is not None]
@@ -97,8 +99,6 @@ def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         args.clickhouse,
         database=args.database,
         table=args.traces_table,
-        since=args.since,
-        until=args.until,
         service=args.service,
         group_by=args.group_by,
         **common,

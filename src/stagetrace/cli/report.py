@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from stagetrace.report.aggregate import Aggregator
-from stagetrace.report.collect import aggregate_files
+from stagetrace.report.collect import Window, aggregate_files
 from stagetrace.report.loader import expand_paths
 from stagetrace.report.render import html_report, text_report
 from stagetrace.settings import DEFAULT_SLOW_THRESHOLD_MS
@@ -24,9 +24,14 @@ def run_report(
     html_path: str | None = None,
     slow_threshold_ms: float = DEFAULT_SLOW_THRESHOLD_MS,
     route: str | None = None,
+    since: str | None = None,
+    until: str | None = None,
     out: TextIO | None = None,
     err: TextIO | None = None,
 ) -> int:
+    """The report over files; ``since`` / ``until`` keep the traces whose root started in that window."""
+    from stagetrace.report.fleet import parse_time
+
     out, err = out or sys.stdout, err or sys.stderr
     missing = [p for p in paths if not Path(p).exists()]
     if missing:
@@ -35,10 +40,20 @@ def run_report(
     if not expand_paths(paths):
         print("stagetrace report: no trace files found (expected OTLP JSON lines, *.jsonl)", file=err)
         return 2
-    agg, counts = aggregate_files(paths, slow_threshold_ms, err, route)
+    try:
+        window = Window(parse_time(since) if since else None, parse_time(until) if until else None)
+    except ValueError as e:
+        print(f"stagetrace report: {e}", file=err)
+        return 2
+    agg, counts = aggregate_files(paths, slow_threshold_ms, err, route, window=window)
     summary: dict[str, Any] = agg.summary()
     summary["input"] = counts
-    read = f"read {counts['spans']} spans from {counts['files']} files ({counts['malformed']} malformed lines)"
+    read = (
+        f"read {counts['spans']} spans and {counts['metric_lines']} metrics exports from {counts['files']} files "
+        f"({counts['malformed']} malformed lines)"
+    )
+    if not window.open and counts["metric_lines"]:
+        read += "; the metrics' counts cover all time, not --since/--until, and are left out"
     _emit(summary, agg, None, read, as_json=as_json, html_path=html_path, out=out, err=err)
     return 0
 

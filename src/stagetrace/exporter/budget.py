@@ -140,5 +140,32 @@ class ExportBudget:
         return False
 
 
+class AdjustedCounts:
+    """How many traces each kept trace stands for, so that counts and percentiles over kept traces estimate
+    every request's (OpenTelemetry's adjusted count). A trace's own weight is 1, or 1 / the healthy share
+    for a healthy sample (kept with that probability, on its trace id); a trace the budget leaves out hands
+    its weight to the next kept trace of its signature, which then stands for both. Over any run the kept
+    traces' adjusted counts add up to every trace worth keeping but those of the last stretch the budget
+    left out of each signature. Bounded like the budget's signatures (least recently seen forgotten)."""
+
+    def __init__(self, max_signatures: int = 1024) -> None:
+        self._max = max_signatures
+        self._carried: OrderedDict[Signature, float] = OrderedDict()
+
+    def left_out(self, signature: Signature, weight: float) -> None:
+        self._carried[signature] = self._carried.pop(signature, 0.0) + weight
+        if len(self._carried) > self._max:
+            self._carried.popitem(last=False)
+
+    def kept(self, signature: Signature, weight: float) -> float:
+        """The kept trace's adjusted count: its own weight and what was handed to it."""
+        return weight + self._carried.pop(signature, 0.0)
+
+
+def own_weight(keep: Keep, healthy_share: float) -> float:
+    """A trace's weight before the budget: a healthy sample stands for 1 / the share of healthy traces kept."""
+    return 1.0 / healthy_share if keep is Keep.HEALTHY_SAMPLE and 0.0 < healthy_share < 1.0 else 1.0
+
+
 def signature_of(root_name: str, route: str | None, bottleneck: str | None, codes: tuple[str, ...]) -> Signature:
     return (route or root_name, bottleneck or "", tuple(sorted(codes)))

@@ -26,7 +26,7 @@ from stagetrace.analysis.streams import summarise_stream
 from stagetrace.common import wire
 from stagetrace.exporter import signals as sig
 from stagetrace.exporter import spans as sp
-from stagetrace.exporter.budget import BudgetLimits, ExportBudget, signature_of
+from stagetrace.exporter.budget import AdjustedCounts, BudgetLimits, ExportBudget, own_weight, signature_of
 from stagetrace.exporter.foreign import as_stage_span, foreign_kind, link_enclosing_stages, split_foreign_stages
 from stagetrace.exporter.keep import Keep, PendingBatches, RecentDecisions, decide, in_healthy_share
 from stagetrace.exporter.metrics import MetricsSink, replay
@@ -110,6 +110,7 @@ class ExporterCore:
         self.decisions = RecentDecisions()
         self.batches = PendingBatches(self.decisions, settings.batch_keep_wait_s, settings.max_pending_batches)
         self.budget = ExportBudget(BudgetLimits.from_settings(settings), time.monotonic())
+        self.adjusted = AdjustedCounts(settings.max_budget_signatures)
         self._new_span_id = random.Random().getrandbits  # ids for spans the exporter adds (link chunks)
         self.handled = 0  # traces, stages and spans handled (acknowledged to the application)
         self._slow_log = RateLimitedLog(per_interval=settings.slow_log_per_minute, interval_s=60.0)
@@ -228,12 +229,18 @@ class ExporterCore:
             or any(st.error for st in analysed)
             or any(o.status_code == _ERROR for o in others)
         )
-        keep = decide(verdict, errored=errored, healthy_share=self.settings.healthy_sample, trace_id=trace_id)
+        share = self.settings.healthy_sample
+        keep = decide(verdict, errored=errored, healthy_share=share, trace_id=trace_id)
+        adjusted_count = 1.0
         if keep.kept:
             signature = signature_of(verdict.root_name, route, verdict.bottleneck, verdict.diagnosis_codes)
+            weight = own_weight(keep, share)
             keep = self.budget.admit(keep, signature, verdict.total_ms, time.monotonic())
             if keep is Keep.BUDGET:
                 self.metrics.dropped("budget")
+                self.adjusted.left_out(signature, weight)
+            else:
+                adjusted_count = self.adjusted.kept(signature, weight)
         self.decisions.remember(trace_id, kept=keep.kept)
         self._export(self.batches.member_decided(trace_id, kept=keep.kept))
         self.metrics.record_trace(verdict, (trace_id, root.span_id) if keep.kept else None)
@@ -249,7 +256,14 @@ class ExporterCore:
             ]
             out.extend(as_stage_span(span, st.kind, marks if id(st) in late else None) for st, span in foreign)
             out.extend(others)
-            out.append(sp.root_with_verdict(root, verdict, keep_query_strings=self.settings.record_query_strings))
+            out.append(
+                sp.root_with_verdict(
+                    root,
+                    verdict,
+                    keep_query_strings=self.settings.record_query_strings,
+                    extra={c.SAMPLING_ADJUSTED_COUNT: round(adjusted_count, 6)},
+                )
+            )
             self.outputs.export(out)
         if verdict.slow:
             self._log_slow(verdict)

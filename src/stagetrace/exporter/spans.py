@@ -210,12 +210,21 @@ def strip_query_strings(attributes: dict[str, Any]) -> None:
         attributes.pop(key, None)
 
 
-def root_with_verdict(root: wire.WireSpan, verdict: Verdict, *, keep_query_strings: bool = False) -> wire.WireSpan:
-    """The local root's wire tuple with the verdict attributes and one event per diagnosis."""
+def root_with_verdict(
+    root: wire.WireSpan,
+    verdict: Verdict,
+    *,
+    keep_query_strings: bool = False,
+    extra: dict[str, Any] | None = None,
+) -> wire.WireSpan:
+    """The local root's wire tuple with the verdict attributes (and ``extra``: what the keep decision adds)
+    and one event per diagnosis."""
     attributes = dict(root.attributes)
     if not keep_query_strings:
         strip_query_strings(attributes)
     attributes.update(verdict_attributes(verdict))
+    if extra:
+        attributes.update(extra)
     if verdict.gen_ai:
         attributes.update({k: v for k, v in verdict.gen_ai.items() if k not in attributes})
     changes: dict[str, Any] = {}

@@ -1,12 +1,17 @@
 """Summaries of many verdicts, shared by ``stagetrace demo`` and ``stagetrace report``. Pure: verdicts in,
-numbers out; memory bounded by the number of distinct stages and the slowest-traces list."""
+numbers out; memory bounded by the number of distinct stages and the slowest-traces list.
+
+A verdict may stand for several requests (``weight``: its trace's adjusted count, when the exporter kept a
+sample): every count, share and quantile is then weighted, an estimate of every request's, and
+``summary()`` says so (``requests`` beside ``traces``, the kept ones). Exact totals read elsewhere (the
+metrics the exporter wrote beside the traces) go in ``counted``."""
 
 from __future__ import annotations
 
 import heapq
-from collections import Counter
+from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from stagetrace.analysis import Verdict
 from stagetrace.analysis.diagnosis import ADVICE
@@ -14,13 +19,26 @@ from stagetrace.analysis.streams import StreamSummary
 from stagetrace.report.sketch import QuantileSketch
 
 
+class Tally(defaultdict[str, float]):
+    """Weighted counts by name (a ``Counter`` holds whole numbers)."""
+
+    def __init__(self) -> None:
+        super().__init__(float)
+
+    def add_all(self, other: Tally) -> None:
+        for name, n in other.items():
+            self[name] += n
+
+
 @dataclass
 class StageSummary:
+    """``traces``: the kept traces with the stage; ``bottleneck`` and the sketches are weighted."""
+
     kind: str = "cpu"
     latency: QuantileSketch = field(default_factory=QuantileSketch)
     share_sum: float = 0.0
     traces: int = 0
-    bottleneck: int = 0
+    bottleneck: float = 0
 
     def merge(self, other: StageSummary) -> None:
         self.latency.merge(other.latency)
@@ -62,28 +80,28 @@ class StreamsSummary:
     """The streamed responses: what their clients lived (time to the first chunk, each stream's gap p99),
     and which stage dominated each phase, counted per stream."""
 
-    streams: int = 0
+    streams: float = 0
     chunks: QuantileSketch = field(default_factory=QuantileSketch)
     first_chunk: QuantileSketch = field(default_factory=QuantileSketch)
     gap_p99: QuantileSketch = field(default_factory=QuantileSketch)
     chunks_per_s: QuantileSketch = field(default_factory=QuantileSketch)
-    disconnected: int = 0
-    first_chunk_bottlenecks: Counter[str] = field(default_factory=Counter)
-    gap_bottlenecks: Counter[str] = field(default_factory=Counter)
+    disconnected: float = 0
+    first_chunk_bottlenecks: Tally = field(default_factory=Tally)
+    gap_bottlenecks: Tally = field(default_factory=Tally)
 
-    def add(self, stream: StreamSummary) -> None:
-        self.streams += 1
-        self.chunks.add(stream.chunks)
-        self.first_chunk.add(stream.first_chunk_ms)
+    def add(self, stream: StreamSummary, weight: float = 1) -> None:
+        self.streams += weight
+        self.chunks.add(stream.chunks, weight)
+        self.first_chunk.add(stream.first_chunk_ms, weight)
         if stream.gap_p99_ms is not None:
-            self.gap_p99.add(stream.gap_p99_ms)
+            self.gap_p99.add(stream.gap_p99_ms, weight)
         if stream.streaming_ms > 0 and stream.chunks > 1:
-            self.chunks_per_s.add((stream.chunks - 1) / (stream.streaming_ms / 1e3))
-        self.disconnected += stream.disconnected
+            self.chunks_per_s.add((stream.chunks - 1) / (stream.streaming_ms / 1e3), weight)
+        self.disconnected += stream.disconnected * weight
         if stream.first_chunk_bottleneck:
-            self.first_chunk_bottlenecks[stream.first_chunk_bottleneck] += 1
+            self.first_chunk_bottlenecks[stream.first_chunk_bottleneck] += weight
         if stream.gap_bottleneck:
-            self.gap_bottlenecks[stream.gap_bottleneck] += 1
+            self.gap_bottlenecks[stream.gap_bottleneck] += weight
 
     def merge(self, other: StreamsSummary) -> None:
         self.streams += other.streams
@@ -95,8 +113,8 @@ class StreamsSummary:
         ):
             mine.merge(theirs)
         self.disconnected += other.disconnected
-        self.first_chunk_bottlenecks.update(other.first_chunk_bottlenecks)
-        self.gap_bottlenecks.update(other.gap_bottlenecks)
+        self.first_chunk_bottlenecks.add_all(other.first_chunk_bottlenecks)
+        self.gap_bottlenecks.add_all(other.gap_bottlenecks)
 
     def summary(self) -> dict[str, Any]:
         """The ``--json`` shape of the ``streams`` key."""
@@ -107,15 +125,33 @@ class StreamsSummary:
             return {f"p{round(q * 100)}": round(sketch.quantile(q), 3) for q in (0.5, 0.95, 0.99)}
 
         return {
-            "streams": self.streams,
+            "streams": as_count(self.streams),
             "chunks_mean": round(self.chunks.mean, 1),
             "first_chunk_ms": quantiles(self.first_chunk),
             "gap_p99_ms": quantiles(self.gap_p99),
             "chunks_per_s": quantiles(self.chunks_per_s),
-            "disconnected": self.disconnected,
-            "first_chunk_bottlenecks": dict(self.first_chunk_bottlenecks.most_common()),
-            "gap_bottlenecks": dict(self.gap_bottlenecks.most_common()),
+            "disconnected": as_count(self.disconnected),
+            "first_chunk_bottlenecks": counts(self.first_chunk_bottlenecks),
+            "gap_bottlenecks": counts(self.gap_bottlenecks),
         }
+
+
+def as_count(value: float) -> int | float:
+    """A weighted count as the summary shows it: whole when it is (every weight 1), else to a tenth."""
+    return int(value) if value == int(value) else round(value, 1)
+
+
+def counts(tally: Tally) -> dict[str, int | float]:
+    """Most first (ties in the order first seen)."""
+    return {name: as_count(n) for name, n in sorted(tally.items(), key=lambda item: -item[1])}
+
+
+class Counted(NamedTuple):
+    """Exact totals from the metrics (``stagetrace.trace.duration``, which sees every request): the report's
+    request and slow counts where they are known."""
+
+    requests: int
+    slow: int
 
 
 @dataclass(order=True)
@@ -132,11 +168,14 @@ class Aggregator:
     that aggregates elsewhere (``report.fleet``: SQL in ClickHouse) fills the same fields from its counts."""
 
     def __init__(self, keep_slowest: int = 10) -> None:
-        self.traces = 0
+        self.traces = 0  # verdicts read (kept traces)
+        self.requests: float = 0  # their weights' sum: the requests they stand for
         self.slow_traces = 0
+        self.slow_requests: float = 0
+        self.counted: Counted | None = None
         self.stages: dict[str, StageSummary] = {}
-        self.bottlenecks: Counter[str] = Counter()
-        self.diagnoses: Counter[str] = Counter()
+        self.bottlenecks = Tally()
+        self.diagnoses = Tally()
         self.messages: dict[str, str] = {}
         self.total = QuantileSketch()
         self.gpu_utilization = QuantileSketch()
@@ -147,27 +186,31 @@ class Aggregator:
         self._keep = keep_slowest
         self._seq = 0
 
-    def add(self, verdict: Verdict, waterfall: list[dict[str, Any]] | None = None) -> None:
+    def add(self, verdict: Verdict, waterfall: list[dict[str, Any]] | None = None, weight: float = 1) -> None:
+        """``weight``: how many requests the verdict stands for (its trace's adjusted count)."""
         self.traces += 1
-        self.slow_traces += bool(verdict.slow)
-        self.total.add(verdict.total_ms)
+        self.requests += weight
+        if verdict.slow:
+            self.slow_traces += 1
+            self.slow_requests += weight
+        self.total.add(verdict.total_ms, weight)
         total = verdict.total_ms or 0.0
         for name, ms in verdict.breakdown.items():
             s = self.stage(name, verdict.stage_kinds.get(name, "cpu"))
-            s.latency.add(ms)
+            s.latency.add(ms, weight)
             s.traces += 1
-            s.share_sum += min(1.0, ms / total) if total > 0 else 0.0
+            s.share_sum += (min(1.0, ms / total) if total > 0 else 0.0) * weight
         if verdict.bottleneck:
-            self.bottlenecks[verdict.bottleneck] += 1
+            self.bottlenecks[verdict.bottleneck] += weight
             if verdict.bottleneck in self.stages:
-                self.stages[verdict.bottleneck].bottleneck += 1
+                self.stages[verdict.bottleneck].bottleneck += weight
         for d in verdict.diagnoses:
-            self.diagnoses[d.code] += 1
+            self.diagnoses[d.code] += weight
             self.messages.setdefault(d.code, d.message)
         if verdict.gpu_utilization is not None:
-            self.gpu_utilization.add(verdict.gpu_utilization)
+            self.gpu_utilization.add(verdict.gpu_utilization, weight)
         if verdict.stream is not None:
-            self.streams.add(verdict.stream)
+            self.streams.add(verdict.stream, weight)
         self.keep_if_slowest(verdict, waterfall)
 
     def stage(self, name: str, kind: str = "cpu") -> StageSummary:
@@ -189,11 +232,16 @@ class Aggregator:
     def merge(self, other: Aggregator) -> None:
         """Add another aggregator's traces (e.g. one group's) to this one; sketches merge exactly."""
         self.traces += other.traces
+        self.requests += other.requests
         self.slow_traces += other.slow_traces
+        self.slow_requests += other.slow_requests
+        if other.counted is not None:
+            mine = self.counted or Counted(0, 0)
+            self.counted = Counted(mine.requests + other.counted.requests, mine.slow + other.counted.slow)
         for name, s in other.stages.items():
             self.stage(name, s.kind).merge(s)
-        self.bottlenecks.update(other.bottlenecks)
-        self.diagnoses.update(other.diagnoses)
+        self.bottlenecks.add_all(other.bottlenecks)
+        self.diagnoses.add_all(other.diagnoses)
         for code, message in other.messages.items():
             self.messages.setdefault(code, message)
         self.total.merge(other.total)
@@ -242,20 +290,25 @@ class Aggregator:
                 "p95_ms": round(s.latency.quantile(0.95), 3),
                 "p99_ms": round(s.latency.quantile(0.99), 3),
                 "mean_ms": round(s.latency.mean, 3),
-                "mean_share": round(s.share_sum / self.traces, 4) if self.traces else 0.0,
-                "bottleneck_traces": s.bottleneck,
+                "mean_share": round(s.share_sum / self.requests, 4) if self.requests else 0.0,
+                "bottleneck_traces": as_count(s.bottleneck),
             }
         out: dict[str, Any] = {
             "traces": self.traces,
             "slow_traces": self.slow_traces,
+            # what the kept traces stand for (their adjusted counts): every count below is weighted so
+            "requests": as_count(self.requests),
+            "slow_requests": as_count(self.slow_requests),
+            "sampled": self.requests != self.traces,
+            "counted": None if self.counted is None else {"requests": self.counted.requests, "slow": self.counted.slow},
             "total_ms": {
                 "p50": round(self.total.quantile(0.5), 3),
                 "p95": round(self.total.quantile(0.95), 3),
                 "p99": round(self.total.quantile(0.99), 3),
             },
             "stages": stages,
-            "bottlenecks": dict(self.bottlenecks.most_common()),
-            "diagnoses": dict(self.diagnoses.most_common()),
+            "bottlenecks": counts(self.bottlenecks),
+            "diagnoses": counts(self.diagnoses),
             "advice": {code: ADVICE.get(code, "") for code in self.diagnoses},
             "examples": {code: self.messages[code] for code in self.diagnoses},
         }

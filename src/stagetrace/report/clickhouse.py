@@ -283,7 +283,7 @@ def aggregate_clickhouse(
     names = sorted({name for g in groups.values() for name in g.aggregator.stages})
     kinds = {str(name): str(kind) for name, kind in rows(conn, kinds_sql(source, filters, names))} if names else {}
     overall, places = Aggregator(keep_slowest), StagePlaces()
-    streamed = 0
+    streamed: float = 0
     for g in groups.values():
         # The SQL does not aggregate streams yet: a stream section of the recomputed traces alone would
         # misstate the fleet, so there is none (the report says so).

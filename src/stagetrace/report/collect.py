@@ -6,13 +6,41 @@ traces it reads span by span."""
 from __future__ import annotations
 
 import sys
-from typing import TextIO
+from typing import NamedTuple, TextIO
 
 from stagetrace.analysis import Verdict
 from stagetrace.report.aggregate import Aggregator
 from stagetrace.report.loader import Span, read_traces
-from stagetrace.report.traces import batch_execution, batch_waits, is_batch_trace, verdict_for_trace, waterfall
+from stagetrace.report.metric_totals import TraceCounts
+from stagetrace.report.traces import (
+    adjusted_count,
+    batch_execution,
+    batch_waits,
+    global_root,
+    is_batch_trace,
+    verdict_for_trace,
+    waterfall,
+)
 from stagetrace.settings import DEFAULT_SLOW_THRESHOLD_MS
+
+
+class Window(NamedTuple):
+    """Traces whose global root starts in [since, until) (epoch ns; open where None)."""
+
+    since_ns: int | None = None
+    until_ns: int | None = None
+
+    @property
+    def open(self) -> bool:
+        return self.since_ns is None and self.until_ns is None
+
+    def holds(self, start_ns: int) -> bool:
+        return (self.since_ns is None or start_ns >= self.since_ns) and (
+            self.until_ns is None or start_ns < self.until_ns
+        )
+
+
+ALL_TIME = Window()
 
 
 def add_trace(
@@ -23,10 +51,14 @@ def add_trace(
     route: str | None = None,
     *,
     batches: bool = True,
+    window: Window = ALL_TIME,
 ) -> Verdict | None:
-    """Judge one trace and count it; returns its verdict, None when it was not counted (a batch's own
-    trace, another route, or a trace the analysis could not judge: reported on ``err``)."""
+    """Judge one trace and count it, weighted by its adjusted count; returns its verdict, None when it was
+    not counted (outside the window, a batch's own trace, another route, or a trace the analysis could not
+    judge: reported on ``err``)."""
     try:
+        if not window.open and not window.holds(global_root(spans).start_ns):
+            return None
         if is_batch_trace(spans):
             if batches:
                 agg.add_batch(*batch_execution(spans))
@@ -39,7 +71,7 @@ def add_trace(
         return None
     for wait in batch_waits(spans):
         agg.add_batch_wait(*wait)
-    agg.add(verdict, waterfall(spans) if agg.would_keep(verdict.total_ms) else None)
+    agg.add(verdict, waterfall(spans) if agg.would_keep(verdict.total_ms) else None, adjusted_count(spans))
     return verdict
 
 
@@ -50,14 +82,21 @@ def aggregate_files(
     route: str | None = None,
     *,
     batches: bool = True,
+    window: Window = ALL_TIME,
 ) -> tuple[Aggregator, dict[str, int]]:
     """Stream trace files into an Aggregator (waterfalls kept for the slowest); ``route`` keeps only traces
-    whose global root has that http.route. Batch executions have a trace (and no route) of their own:
-    ``batches=False`` leaves them out."""
+    whose global root has that http.route, ``window`` those whose root started in it. Batch executions have
+    a trace (and no route) of their own: ``batches=False`` leaves them out. Metrics files among the paths
+    give the exact request and slow counts (``Aggregator.counted``), over all time only: a cumulative count
+    cannot be cut to a window."""
     err = err or sys.stderr
     agg = Aggregator()
+    totals = TraceCounts()
 
     def on_trace(spans: list[Span]) -> None:
-        add_trace(agg, spans, slow_threshold_ms, err, route, batches=batches)
+        add_trace(agg, spans, slow_threshold_ms, err, route, batches=batches, window=window)
 
-    return agg, read_traces(paths, on_trace, errors=err)
+    counts = read_traces(paths, on_trace, errors=err, on_metrics=totals.add)
+    if window.open:
+        agg.counted = totals.counted(route)
+    return agg, counts

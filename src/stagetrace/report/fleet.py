@@ -157,6 +157,7 @@ def verdicts_sql(source: Source, filters: Filters) -> str:
     less traces that also have a verdict on a span with a parent (those are recomputed from their spans,
     as the file report does). ``total`` falls back to the root's duration like ``traces._stored_verdict``."""
     total = f"toFloat64OrZero({_attr(c.TOTAL_MS)})"
+    adjusted = f"toFloat64OrZero({_attr(c.SAMPLING_ADJUSTED_COUNT)})"  # the requests the trace stands for
     route = [f"{_attr(c.HTTP_ROUTE)} = {quote_string(filters.route)}"] if filters.route is not None else []
     wide = _conditions(filters, slack_ns=TRACE_SLACK_NS)
     nested = f"SELECT TraceId FROM {source.sql} {_where(_has(c.TOTAL_MS), f'ParentSpanId != {EMPTY}', wide)}"
@@ -172,6 +173,7 @@ def verdicts_sql(source: Source, filters: Filters) -> str:
   arraySlice(names_all, 1, n_stages) AS names,
   arraySlice(values_all, 1, n_stages) AS values,
   {_attr(c.BOTTLENECK_STAGE)} AS bottleneck,
+  if({adjusted} > 0, {adjusted}, 1.) AS w,
   toFloat64OrNull({_attr(c.GPU_UTILIZATION)}) AS gpu,
   JSONExtract({_attr(c.DIAGNOSIS)}, 'Array(String)') AS codes,
   {diagnosis_events} AS diagnosis_events
@@ -198,15 +200,16 @@ SKETCHED = ("trace", "gpu", "stage", "batch.size", "batch.fill", "wait.formation
 
 
 def facts_sql(source: Source, filters: Filters, sketch: QuantileSketch, *, batches: bool, waits: bool) -> str:
-    """Every fact of the window, grouped by (group, fact, name, sketch bucket) with count, sum, min, max,
-    share sum, bottleneck count, sum of positions in the pipeline and the slowest example (trace id,
-    message): a few rows per stage and bucket, however many traces there are."""
+    """Every fact of the window, grouped by (group, fact, name, sketch bucket) with the weighted count (each
+    trace's adjusted count), weighted sum, min, max, weighted share sum and bottleneck count, sum of
+    positions in the pipeline, the slowest example (trace id, message) and the unweighted count: a few rows
+    per stage and bucket, however many traces there are. Batch executions and batch waits weigh 1."""
     message = (
         f"arrayFirst(a -> a[{quote_string(c.DIAGNOSIS_EVENT_CODE)}] = x, diagnosis_events)"
         f"[{quote_string(c.DIAGNOSIS_EVENT_MESSAGE)}]"
     )
     share = "if(total > 0, least(1., ms / total), 0.)"
-    verdict_facts = f"""SELECT grp, trace_id, arrayJoin(arrayConcat(
+    verdict_facts = f"""SELECT grp, trace_id, w, arrayJoin(arrayConcat(
     [{_fact("trace", EMPTY, "total")}],
     if(slow, [{_fact("slow", EMPTY, "total")}], []),
     if(isNull(gpu), [], [{_fact("gpu", EMPTY, "assumeNotNull(gpu)")}]),
@@ -221,7 +224,7 @@ def facts_sql(source: Source, filters: Filters, sketch: QuantileSketch, *, batch
         size = f"ifNull(toInt64OrNull({_attr(c.BATCH_SIZE)}), 0)"
         fill = f"toFloat64OrNull({_attr(c.BATCH_FILL)})"
         parts.append(
-            f"""SELECT {group} AS grp, TraceId AS trace_id, arrayJoin(arrayConcat(
+            f"""SELECT {group} AS grp, TraceId AS trace_id, 1. AS w, arrayJoin(arrayConcat(
     [{_fact("batch.size", "SpanName", size)}],
     if(isNull({fill}), [], [{_fact("batch.fill", "SpanName", f"assumeNotNull({fill})")}]))) AS f
   FROM {source.sql} {_where(_has(c.BATCH_ID), "ParentSpanId = ''", _conditions(filters))}"""
@@ -232,7 +235,7 @@ def facts_sql(source: Source, filters: Filters, sketch: QuantileSketch, *, batch
         formation = f"toFloat64OrNull({_attr(c.BATCH_FORMATION_MS)})"
         busy = f"ifNull(toFloat64OrNull({_attr(c.BATCH_BUSY_MS)}), 0.)"
         parts.append(
-            f"""SELECT {group} AS grp, TraceId AS trace_id, arrayJoin([
+            f"""SELECT {group} AS grp, TraceId AS trace_id, 1. AS w, arrayJoin([
     {_fact("wait.formation", stage, f"assumeNotNull({formation})")},
     {_fact("wait.busy", stage, busy)}]) AS f
   FROM {source.sql} {_where(_has(c.BATCH_FORMATION_MS), f"isNotNull({formation})", wide)}
@@ -242,7 +245,8 @@ def facts_sql(source: Source, filters: Filters, sketch: QuantileSketch, *, batch
     value = "f.3"
     return f"""SELECT grp, f.1 AS fact, f.2 AS name,
   if(fact IN ({sketched}), {bucket_expression(value, sketch)}, NULL) AS bucket,
-  count(), sum({value}), min({value}), max({value}), sum(f.4), sum(f.5), sum(f.6), argMax(f.7, {value}), max({value})
+  sum(w), sum({value} * w), min({value}), max({value}), sum(f.4 * w), sum(f.5 * w), sum(f.6), argMax(f.7, {value}),
+  max({value}), count()
 FROM ({" UNION ALL ".join(parts)})
 GROUP BY grp, fact, name, bucket"""
 
@@ -299,15 +303,16 @@ class FactRow(NamedTuple):
     fact: str
     name: str
     bucket: int | None
-    n: int  # facts in the row
+    n: float  # facts in the row, weighted by their traces' adjusted counts
     total: float
     low: float
     high: float
     share: float
-    bottlenecks: int
+    bottlenecks: float
     positions: int  # sum of the stage's 1-based places in its traces' breakdowns
     example: tuple[str, str]  # (trace id, message) of the fact's largest value
     largest: float
+    kept: int  # facts in the row, unweighted (the kept traces)
 
 
 class StagePlaces:
@@ -354,15 +359,16 @@ def fact_row(row: Sequence[Any]) -> FactRow:
         str(row[1]),
         str(row[2] or ""),
         None if row[3] is None else int(row[3]),
-        int(row[4]),
+        float(row[4] or 0.0),
         float(row[5] or 0.0),
         float(row[6] if row[6] is not None else 0.0),
         float(row[7] if row[7] is not None else 0.0),
         float(row[8] or 0.0),
-        int(row[9] or 0),
+        float(row[9] or 0.0),
         int(row[10] or 0),
         (str(example[0]), str(example[1])),
         float(row[12] if row[12] is not None else 0.0),
+        int(row[13] or 0),
     )
 
 
@@ -376,20 +382,22 @@ def fold_facts(rows: Iterable[FactRow], groups: dict[str, GroupReport] | None = 
         agg = g.aggregator
         bucket = Bucket(f.bucket, f.n, f.total, f.low, f.high)
         if f.fact == "trace":
-            agg.traces += f.n
+            agg.traces += f.kept
+            agg.requests += f.n
             agg.total.add_bucket(bucket)
             g.slowest = max(g.slowest, (f.largest, f.example[0]))
         elif f.fact == "slow":
-            agg.slow_traces += f.n
+            agg.slow_traces += f.kept
+            agg.slow_requests += f.n
         elif f.fact == "gpu":
             agg.gpu_utilization.add_bucket(bucket)
         elif f.fact == "stage":
             s = agg.stage(f.name)
             s.latency.add_bucket(bucket)
-            s.traces += f.n
+            s.traces += f.kept
             s.share_sum += f.share
             s.bottleneck += f.bottlenecks
-            g.places.add(f.name, f.positions, f.n)
+            g.places.add(f.name, f.positions, f.kept)
         elif f.fact == "bottleneck":
             agg.bottlenecks[f.name] += f.n
         elif f.fact == "diagnosis":
@@ -400,14 +408,14 @@ def fold_facts(rows: Iterable[FactRow], groups: dict[str, GroupReport] | None = 
         elif f.fact in ("batch.size", "batch.fill"):
             b = agg.batches.setdefault(f.name, BatchSummary())
             if f.fact == "batch.size":
-                b.executions += f.n
+                b.executions += f.kept
                 b.size.add_bucket(bucket)
             else:
                 b.fill.add_bucket(bucket)
         elif f.fact in ("wait.formation", "wait.busy"):
             w = agg.batch_waits.setdefault(f.name, BatchWaitSummary())
             if f.fact == "wait.formation":
-                w.requests += f.n
+                w.requests += f.kept
                 w.formation.add_bucket(bucket)
             else:
                 w.busy.add_bucket(bucket)

@@ -92,7 +92,8 @@ def any_value(v: Any) -> Any:
     return None
 
 
-def _attributes(items: Any) -> dict[str, Any]:
+def attributes_of(items: Any) -> dict[str, Any]:
+    """An OTLP attribute list (``[{"key": ..., "value": {...}}]``) as a dict of Python values."""
     if not items:
         return {}
     if not isinstance(items, list):
@@ -100,17 +101,29 @@ def _attributes(items: Any) -> dict[str, Any]:
     return {kv["key"]: any_value(kv.get("value")) for kv in items if isinstance(kv, dict) and "key" in kv}
 
 
-def spans_from_line(line: str) -> list[Span]:
+def parse_line(line: str) -> dict[str, Any]:
+    """One OTLP JSON export: a trace export (``resourceSpans``) or a metrics export (``resourceMetrics``)."""
     try:
         doc = json.loads(line)
     except json.JSONDecodeError as e:
         raise MalformedLine(f"invalid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(doc, dict) or "resourceSpans" not in doc:
+    if not isinstance(doc, dict) or ("resourceSpans" not in doc and "resourceMetrics" not in doc):
+        raise MalformedLine("not an OTLP trace or metrics export (no resourceSpans or resourceMetrics)")
+    return doc
+
+
+def spans_from_line(line: str) -> list[Span]:
+    doc = parse_line(line)
+    if "resourceSpans" not in doc:
         raise MalformedLine("not an OTLP trace export (no resourceSpans)")
+    return spans_of(doc)
+
+
+def spans_of(doc: dict[str, Any]) -> list[Span]:
     out: list[Span] = []
     try:
         for rs in doc["resourceSpans"] or ():
-            resource = _attributes((rs.get("resource") or {}).get("attributes"))
+            resource = attributes_of((rs.get("resource") or {}).get("attributes"))
             service = str(resource.get("service.name", ""))
             for ss in rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans") or ():
                 for sp in ss.get("spans") or ():
@@ -123,9 +136,9 @@ def spans_from_line(line: str) -> list[Span]:
                             start_ns=int(sp["startTimeUnixNano"]),
                             end_ns=int(sp["endTimeUnixNano"]),
                             kind=_span_kind(sp.get("kind", 0)),
-                            attributes=_attributes(sp.get("attributes")),
+                            attributes=attributes_of(sp.get("attributes")),
                             events=[
-                                (str(e.get("name", "")), _attributes(e.get("attributes")))
+                                (str(e.get("name", "")), attributes_of(e.get("attributes")))
                                 for e in sp.get("events") or ()
                             ],
                             service=service,
@@ -191,12 +204,15 @@ def read_traces(
     paths: Iterable[str | os.PathLike[str]],
     on_trace: Callable[[list[Span]], None],
     errors: TextIO | None = None,
+    on_metrics: Callable[[dict[str, Any]], None] | None = None,
     **window: Any,
 ) -> dict[str, int]:
-    """Stream every file; returns counts (files, lines, spans, malformed)."""
+    """Stream every file; returns counts (files, lines, spans, metric_lines, malformed). Metrics exports
+    (the exporter's metrics file beside its traces) go to ``on_metrics``, whose ValueError, KeyError or
+    TypeError makes the line malformed."""
     errors = errors or sys.stderr
     joiner = TraceJoiner(on_trace, **window)
-    counts = {"files": 0, "lines": 0, "spans": 0, "malformed": 0}
+    counts = {"files": 0, "lines": 0, "spans": 0, "metric_lines": 0, "malformed": 0}
     for path in expand_paths(paths):
         counts["files"] += 1
         try:
@@ -205,7 +221,16 @@ def read_traces(
                     continue
                 counts["lines"] += 1
                 try:
-                    joiner.add(spans_from_line(line))
+                    doc = parse_line(line)
+                    if "resourceSpans" in doc:
+                        joiner.add(spans_of(doc))
+                        continue
+                    counts["metric_lines"] += 1
+                    if on_metrics is not None:
+                        try:
+                            on_metrics(doc)
+                        except (ValueError, KeyError, TypeError, AttributeError) as e:
+                            raise MalformedLine(f"malformed metrics ({type(e).__name__}: {e})") from None
                 except MalformedLine as e:
                     counts["malformed"] += 1
                     print(f"{path}:{lineno}: {e}", file=errors)

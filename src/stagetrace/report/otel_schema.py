@@ -19,7 +19,7 @@ from decimal import Decimal
 from typing import Any
 
 from stagetrace import conventions as c
-from stagetrace.report.loader import MalformedLine, Span, _attributes, _hex_id
+from stagetrace.report.loader import MalformedLine, Span, _hex_id, attributes_of
 
 DEFAULT_DATABASE = "default"  # the exporter's `database` option
 DEFAULT_TRACES_TABLE = "otel_traces"  # the exporter's `traces_table_name` option
@@ -242,7 +242,7 @@ def exporter_rows(document: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
     JSONEachRow objects for the table of ``TRACES_TABLE_DDL``. Raises ``MalformedLine`` like the loader."""
     try:
         for rs in document.get("resourceSpans") or ():
-            resource = _attributes((rs.get("resource") or {}).get("attributes"))
+            resource = attributes_of((rs.get("resource") or {}).get("attributes"))
             service = resource.get("service.name")
             for ss in rs.get("scopeSpans") or ():
                 scope = ss.get("scope") or {}
@@ -263,17 +263,17 @@ def exporter_rows(document: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
                         "ResourceAttributes": _strings(resource),
                         "ScopeName": str(scope.get("name", "")),
                         "ScopeVersion": str(scope.get("version", "")),
-                        "SpanAttributes": _strings(_attributes(sp.get("attributes"))),
+                        "SpanAttributes": _strings(attributes_of(sp.get("attributes"))),
                         "Duration": max(0, end - start),
                         "StatusCode": _STATUS_NAMES.get(int(status.get("code", 0) or 0), "Unset"),
                         "StatusMessage": str(status.get("message", "")),
                         "Events.Timestamp": [_timestamp(int(e.get("timeUnixNano", start))) for e in events],
                         "Events.Name": [str(e.get("name", "")) for e in events],
-                        "Events.Attributes": [_strings(_attributes(e.get("attributes"))) for e in events],
+                        "Events.Attributes": [_strings(attributes_of(e.get("attributes"))) for e in events],
                         "Links.TraceId": [_hex_id(lk["traceId"], 32) for lk in links],
                         "Links.SpanId": [_hex_id(lk["spanId"], 16) for lk in links],
                         "Links.TraceState": [str(lk.get("traceState", "")) for lk in links],
-                        "Links.Attributes": [_strings(_attributes(lk.get("attributes"))) for lk in links],
+                        "Links.Attributes": [_strings(attributes_of(lk.get("attributes"))) for lk in links],
                     }
     except MalformedLine:
         raise

@@ -29,18 +29,47 @@ def _table(headers: list[str], rows: list[list[str]], align: str) -> str:
     return "\n".join([fmt(headers), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
 
 
+def _weighted(summary: Mapping[str, Any]) -> float:
+    """The denominator of every share: the requests the kept traces stand for (their adjusted counts)."""
+    return float(summary.get("requests") or summary["traces"])
+
+
+def _about(summary: Mapping[str, Any]) -> str:
+    return "about " if summary.get("sampled") else ""
+
+
+def _n(value: float) -> str:
+    return f"{value:,.0f}" if value >= 10 or value == int(value) else f"{value:.1f}"
+
+
+def counts_line(summary: Mapping[str, Any]) -> str:
+    """How many requests the report speaks of: the traces read, and when they are a sample, how many
+    requests they stand for (their adjusted counts: an estimate), or how many the metrics counted (exact)."""
+    kept, slow = summary["traces"], summary["slow_traces"]
+    counted = summary.get("counted")
+    if counted:
+        total, slow_total, about = counted["requests"], counted["slow"], ""
+    else:
+        total, slow_total, about = _weighted(summary), float(summary.get("slow_requests", slow)), _about(summary)
+    share = f" ({slow_total / total:.0%})" if total else ""
+    if not summary.get("sampled") and (not counted or counted["requests"] == kept):
+        return f"{kept} traces, {slow} slow{share}"
+    line = f"{kept} kept of {about}{_n(total)} requests, {about}{_n(slow_total)} slow{share}"
+    if counted:
+        line += " (counted by the metrics)"
+    if summary.get("sampled"):
+        line += "; every figure below weighted by each kept trace's adjusted count"
+    return line
+
+
 def text_report(
     summary: dict[str, Any], title: str = "stagetrace", groups: Mapping[str, dict[str, Any]] | None = None
 ) -> str:
     """The terminal report; with ``groups`` (group value -> that group's summary) a comparison follows."""
-    n = summary["traces"]
-    out = [
-        f"{title}: {n} traces, {summary['slow_traces']} slow ({summary['slow_traces'] / n:.0%})"
-        if n
-        else f"{title}: no traces",
-    ]
-    if not n:
-        return out[0]
+    if not summary["traces"]:
+        return f"{title}: no traces"
+    n = _weighted(summary)
+    out = [f"{title}: {counts_line(summary)}"]
     t = summary["total_ms"]
     out.append(f"request latency: p50 {t['p50']:.1f} ms, p95 {t['p95']:.1f} ms, p99 {t['p99']:.1f} ms")
     if "gpu_utilization" in summary:
@@ -68,7 +97,7 @@ def text_report(
         label_width = max(18, *map(len, labels.values()))
         for name, count in summary["bottlenecks"].items():
             bar = "#" * max(1, round(width * count / n))
-            out.append(f"  {labels[name]:<{label_width}} {bar:<{width}} {count / n:6.1%}  ({count})")
+            out.append(f"  {labels[name]:<{label_width}} {bar:<{width}} {count / n:6.1%}  ({_n(count)})")
     out += batch_lines(summary)
     out += stream_lines(summary)
     out += ["", "Diagnoses"]
@@ -76,7 +105,8 @@ def text_report(
         out.append("  none fired")
     for code, count in summary["diagnoses"].items():
         example = f"{summary['examples'].get(code, '')}{_trace_note(summary, code)}"
-        out.append(f"  {code}  {count} traces ({count / n:.0%}), e.g. {example}")
+        counted_as = f"{_about(summary)}{_n(count)} requests" if summary.get("sampled") else f"{count} traces"
+        out.append(f"  {code}  {counted_as} ({count / n:.0%}), e.g. {example}")
         for line in textwrap.wrap(summary["advice"].get(code, ""), 100):
             out.append(f"      {line}")
     if groups:
@@ -94,7 +124,7 @@ def group_label(value: str) -> str:
     return value if value else "(none)"
 
 
-def _top(counts: Mapping[str, int], n: int) -> str:
+def _top(counts: Mapping[str, float], n: float) -> str:
     if not counts or not n:
         return "-"
     name, count = max(counts.items(), key=lambda item: (item[1], item[0]))
@@ -106,12 +136,12 @@ def group_rows(groups: Mapping[str, dict[str, Any]]) -> list[list[str]]:
     slowest trace to open."""
     rows = []
     for value, g in groups.items():
-        n = g["traces"]
+        n = _weighted(g) if g["traces"] else 0
         rows.append(
             [
                 group_label(value),
-                str(n),
-                f"{g['slow_traces'] / n:.0%}" if n else "-",
+                str(g["traces"]),
+                f"{g.get('slow_requests', g['slow_traces']) / n:.0%}" if n else "-",
                 f"{g['total_ms']['p50']:.1f}",
                 f"{g['total_ms']['p99']:.1f}",
                 _top(g["bottlenecks"], n),
@@ -134,7 +164,7 @@ def diagnosis_rows(groups: Mapping[str, dict[str, Any]]) -> list[list[str]]:
     """Share of each group's traces with each diagnosis."""
     codes = sorted({code for g in groups.values() for code in g["diagnoses"]})
     return [
-        [code] + [f"{g['diagnoses'].get(code, 0) / g['traces']:.0%}" if g["traces"] else "-" for g in groups.values()]
+        [code] + [f"{g['diagnoses'].get(code, 0) / _weighted(g):.0%}" if g["traces"] else "-" for g in groups.values()]
         for code in codes
     ]
 
@@ -334,12 +364,17 @@ def html_report(
     groups: Mapping[str, dict[str, Any]] | None = None,
 ) -> str:
     """The self-contained page; with ``groups`` (group value -> summary) the comparison across them."""
-    n = summary["traces"] or 1
+    n = _weighted(summary) or 1
     t = summary["total_ms"]
     stages = summary["stages"]
+    counted = summary.get("counted")
+    slow = counted["slow"] if counted else summary.get("slow_requests", summary["slow_traces"])
+    requests = counted["requests"] if counted else n
+    about = "" if counted else _about(summary)
     kpis = [
         ("traces", f"{summary['traces']}"),
-        ("slow traces", f"{summary['slow_traces']} ({summary['slow_traces'] / n:.0%})"),
+        *([("requests", f"{about}{_n(requests)}")] if requests != summary["traces"] else []),
+        ("slow traces", f"{about}{_n(slow)} ({slow / (requests or 1):.0%})"),
         ("p50 latency", f"{t['p50']:.1f} ms"),
         ("p99 latency", f"{t['p99']:.1f} ms"),
     ]
@@ -348,6 +383,7 @@ def html_report(
     body = [f"<h1>{_esc(title)}</h1>", "<div>"]
     body += [f'<div class="kpi" data-kpi="{_esc(k)}">{_esc(k)}<b>{_esc(v)}</b></div>' for k, v in kpis]
     body.append("</div>")
+    body.append(f'<p class="counts">{_esc(counts_line(summary))}</p>')
     legend = "".join(f'<span style="background:{c}"></span>{k}' for k, c in KIND_COLORS.items() if k != "span")
     body.append(f'<p class="legend">stage kinds:{legend}</p>')
     body.append("<h2>Stage breakdown (mean share of request time)</h2>")
@@ -386,9 +422,10 @@ def html_report(
     body.append("<h2>Diagnoses</h2>")
     if not summary["diagnoses"]:
         body.append("<p>No diagnosis fired.</p>")
+    unit = "requests" if summary.get("sampled") else "traces"
     for code, count in summary["diagnoses"].items():
         body.append(
-            f'<p><span class="code">{_esc(code)}</span> in {count} traces ({count / n:.0%}): '
+            f'<p><span class="code">{_esc(code)}</span> in {_esc(_n(count))} {unit} ({count / n:.0%}): '
             f"{_esc(summary['examples'].get(code, ''))}{_esc(_trace_note(summary, code))}</p>"
             f'<p class="advice">{_esc(summary["advice"].get(code, ""))}</p>'
         )

@@ -3,7 +3,10 @@ bounded by the bucket growth factor (1% here), mergeable.
 
 The bucket of a value is a plain formula (``bucket_key``), so a database can bucket values itself and send
 back only the counts (``add_bucket``): the ClickHouse report and the file report then read their quantiles
-through the same code, from the same buckets."""
+through the same code, from the same buckets.
+
+A value may stand for several (``weight``: a sampled trace's adjusted count): counts, sums and quantiles
+are then weighted, so that a sample's quantiles estimate those of everything it was drawn from."""
 
 from __future__ import annotations
 
@@ -15,10 +18,11 @@ ZERO_BELOW = 1e-9
 
 
 class Bucket(NamedTuple):
-    """``n`` values counted elsewhere into one bucket: ``key`` None for the zeros, else ``bucket_key(value)``."""
+    """``n`` values counted elsewhere into one bucket (their weights' sum): ``key`` None for the zeros, else
+    ``bucket_key(value)``; ``total`` their weighted sum."""
 
     key: int | None
-    n: int
+    n: float
     total: float
     low: float
     high: float
@@ -33,9 +37,9 @@ class QuantileSketch:
     def __init__(self, alpha: float = 0.01) -> None:
         self.alpha = alpha
         self._log_gamma = math.log((1 + alpha) / (1 - alpha))
-        self._buckets: dict[int, int] = {}
-        self.count = 0
-        self.zeros = 0
+        self._buckets: dict[int, float] = {}
+        self.count: float = 0  # the weights' sum: the number of values when each weighs 1
+        self.zeros: float = 0
         self.sum = 0.0
         self.min = math.inf
         self.max = -math.inf
@@ -48,17 +52,17 @@ class QuantileSketch:
     def bucket_key(self, value: float) -> int | None:
         return None if value <= ZERO_BELOW else math.ceil(math.log(value) / self._log_gamma)
 
-    def add(self, value: float) -> None:
+    def add(self, value: float, weight: float = 1) -> None:
         # inline (no Bucket record): the file report calls this for every stage of every trace
-        self.count += 1
-        self.sum += value
+        self.count += weight
+        self.sum += value * weight
         self.min = min(self.min, value)
         self.max = max(self.max, value)
         if value <= ZERO_BELOW:
-            self.zeros += 1
+            self.zeros += weight
             return
         key = math.ceil(math.log(value) / self._log_gamma)
-        self._buckets[key] = self._buckets.get(key, 0) + 1
+        self._buckets[key] = self._buckets.get(key, 0) + weight
 
     def add_bucket(self, bucket: Bucket) -> None:
         """Count ``bucket.n`` values already bucketed (by ``bucket_key``'s formula) with their sum and
@@ -87,9 +91,11 @@ class QuantileSketch:
             self._buckets[key] = self._buckets.get(key, 0) + n
 
     def quantile(self, q: float) -> float:
+        """The value below which ``q`` of the weight lies (with weights of 1: the value of rank ``q * (n - 1)``,
+        counting from 0)."""
         if not self.count:
             return 0.0
-        rank = q * (self.count - 1)
+        rank = q * max(self.count - 1, 0)
         if rank < self.zeros:
             return 0.0
         seen = self.zeros

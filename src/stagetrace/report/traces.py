@@ -197,6 +197,15 @@ def verdict_for_trace(
     )
 
 
+def adjusted_count(spans: list[Span]) -> float:
+    """How many requests the trace stands for: the adjusted count on its global root, else the largest on
+    any of its local roots (several services each kept their part), else 1 (exported without sampling)."""
+    found = [_float(s.attributes.get(c.SAMPLING_ADJUSTED_COUNT)) for s in spans if c.TOTAL_MS in s.attributes]
+    on_root = _float(global_root(spans).attributes.get(c.SAMPLING_ADJUSTED_COUNT))
+    weight = on_root if on_root is not None else max((w for w in found if w is not None), default=1.0)
+    return weight if weight >= 1.0 else 1.0
+
+
 def waterfall(spans: list[Span], limit: int = 200) -> list[dict[str, Any]]:
     """Spans relative to the global root, with their depth, for drawing (the first ``limit`` by start)."""
     root = global_root(spans)
