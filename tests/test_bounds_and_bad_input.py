@@ -256,3 +256,46 @@ def test_stage_records_do_not_leak(harness):
     gc.collect()
     after = live_stage_records()
     assert after - before < 50
+
+
+def test_what_a_rate_limited_log_left_out_is_said_when_its_window_closes_and_at_shutdown(monkeypatch, caplog):
+    """The slow-trace log stopped at its cap with no word of the rest: the count is now logged when the
+    window closes with nothing more to log, and at shutdown for the window still open."""
+    import logging
+
+    import stagetrace._safety as safety
+
+    clock = [1000.0]
+    monkeypatch.setattr(safety.time, "monotonic", lambda: clock[0])
+    log = safety.RateLimitedLog(per_interval=2, interval_s=60.0)
+    with caplog.at_level(logging.INFO, logger="stagetrace"):
+        for _ in range(5):
+            log.log(logging.WARNING, "slow-trace", "slow %s", "x")
+        assert log.report_suppressed() == 0  # the window is still open
+        clock[0] += 60.0
+        assert log.report_suppressed() == 3
+        assert log.report_suppressed() == 0  # said once
+        for _ in range(4):
+            log.log(logging.WARNING, "slow-trace", "slow %s", "y")
+        assert log.report_suppressed(final=True) == 2
+    said = [r for r in caplog.records if "were not logged" in r.getMessage()]
+    assert [r.getMessage() for r in said] == [
+        "stagetrace: 3 more slow-trace records were not logged in the last 60 s (at most 2 per 60 s)",
+        "stagetrace: 2 more slow-trace records were not logged in the last 0 s (at most 2 per 60 s)",
+    ]
+    assert all(r.levelno == logging.WARNING for r in said)
+    assert [r.getMessage() for r in caplog.records].count("slow x") == 2 and "slow y" in caplog.text
+
+
+def test_the_exporters_slow_trace_log_counts_what_it_left_out_at_shutdown(make_harness, caplog):
+    import logging
+
+    h = make_harness(settings=Settings(slow_threshold_ms=0.001, slow_log_per_minute=3))
+    with caplog.at_level(logging.WARNING, logger="stagetrace"):
+        for _ in range(10):
+            with stagetrace.pipeline("p"), stagetrace.stage("s"):
+                pass
+        h.flush()
+        h.handle.shutdown()
+    assert sum("slow trace p" in r.getMessage() for r in caplog.records) == 3
+    assert any("7 more slow-trace records were not logged" in r.getMessage() for r in caplog.records), caplog.text

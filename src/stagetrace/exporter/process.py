@@ -256,6 +256,7 @@ def serve(in_fd: int, out_fd: int) -> int:
                 core.skipped("bad frame", reader.malformed - malformed_seen)
                 malformed_seen = reader.malformed
             now = time.monotonic()
+            core.tick(now)
             if core.handled != acked and now - last_ack >= ACK_INTERVAL_S:
                 last_ack, acked = now, core.handled
                 sender.queue((wire.ACK, acked))

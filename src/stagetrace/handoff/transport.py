@@ -68,7 +68,7 @@ class InlineTransport:
             self.core.handle_or_count(msg)
 
     def poll(self) -> None:
-        return None
+        self.core.tick(time.monotonic())
 
     def close(self, timeout_s: float) -> bool:
         self.core.finish()
