@@ -280,3 +280,80 @@ def test_batch_wait_quantiles_come_from_their_own_split():
     assert waits["formation_p95_ms"] == pytest.approx(95, rel=0.03)
     assert waits["busy_p50_ms"] == pytest.approx(1500, rel=0.03)
     assert waits["busy_p95_ms"] == pytest.approx(1950, rel=0.03)
+
+
+def test_the_waterfall_draws_overlapping_spans_of_one_stage_as_their_union():
+    """A composite ``event_loop.wait`` and the slowest occurrence it shows beside it, and stretches that
+    overlap, drew more bars than the trace lasted (11.5 s of bars in a 9.6 s trace): one bar now, their
+    union, as the verdict counts them; a stage that starts after the others ended keeps its own bar."""
+    from stagetrace.report.traces import waterfall
+
+    root = span(T1, "a" * 16, "", "GET /", 0, 100, kind=2)
+    waits = [
+        stage(T1, "b" * 16, "a" * 16, c.EVENT_LOOP_WAIT, 0, 60, kind="wait"),  # the composite's extent
+        stage(T1, "c" * 16, "a" * 16, c.EVENT_LOOP_WAIT, 10, 30, kind="wait"),  # its slowest occurrence
+        stage(T1, "d" * 16, "a" * 16, c.EVENT_LOOP_WAIT, 50, 70, kind="wait"),  # overlapping the first
+        stage(T1, "e" * 16, "a" * 16, c.EVENT_LOOP_WAIT, 80, 90, kind="wait"),  # after: a bar of its own
+    ]
+    other = stage(T1, "f" * 16, "a" * 16, "decode", 20, 40)  # another stage at the same time: its own bar
+    bars = waterfall(spans_from_line(line("svc", [root, *waits, other])))
+    drawn = [(b["name"], b["start_ms"], b["end_ms"], b["spans"]) for b in bars]
+    assert drawn == [
+        ("GET /", 0.0, 100.0, 1),
+        (c.EVENT_LOOP_WAIT, 0.0, 70.0, 3),
+        ("decode", 20.0, 40.0, 1),
+        (c.EVENT_LOOP_WAIT, 80.0, 90.0, 1),
+    ]
+    waited = sum(b["end_ms"] - b["start_ms"] for b in bars if b["name"] == c.EVENT_LOOP_WAIT)
+    assert waited <= 100.0
+
+
+def test_the_html_report_says_who_blocked_the_event_loop(tmp_path):
+    blocker = "resize@" + "9" * 32
+    attrs = {
+        c.HTTP_ROUTE: "/p", c.TOTAL_MS: 300.0, c.SLOW: True, c.STAGES: [c.EVENT_LOOP_WAIT],
+        c.STAGES_MS: [250.0], c.BOTTLENECK_STAGE: c.EVENT_LOOP_WAIT, c.BOTTLENECK_RATIO: 0.83,
+        c.BLOCKED_BY: [blocker, "decode@" + "8" * 32],
+    }  # fmt: skip
+    root = span(T1, "a" * 16, "", "POST /p", 0, 300, attrs, kind=2)
+    (tmp_path / "t.jsonl").write_text(line("svc", [root]) + "\n")
+    page = tmp_path / "r.html"
+    assert run_report([str(tmp_path / "t.jsonl")], html_path=str(page), out=io.StringIO()) == 0
+    html = page.read_text()
+    assert 'class="blocked-by"' in html
+    assert f'<li><span class="code">resize</span> of trace {"9" * 32}</li>' in html
+    assert html.index("resize") < html.index(f"decode</span> of trace {'8' * 32}")  # longest first, as stored
+
+
+def test_a_diagnosis_reads_as_its_finding_then_its_evidence(tmp_path):
+    """A long message was one ~400-character sentence: the finding and the evidence that decided it travel
+    apart (the diagnosis event's evidence attribute) and are shown apart."""
+    attrs = {
+        c.TOTAL_MS: 64.0, c.SLOW: False, c.STAGES: ["tokenize"], c.STAGES_MS: [64.0],
+        c.BOTTLENECK_STAGE: "tokenize", c.BOTTLENECK_RATIO: 1.0, c.DIAGNOSIS: ["OFF_CPU_WAIT"],
+    }  # fmt: skip
+    root = span(T1, "a" * 16, "", "POST /p", 0, 64, attrs, kind=2)
+    finding = "'tokenize' was off-CPU 25.0 ms of its 64.0 ms, for the GIL or for a lock or I/O; the signals cannot tell"
+    said = "the request spanned too few GIL-monitor wake-ups to measure GIL pressure"
+    root["events"] = [
+        {
+            "name": c.DIAGNOSIS_EVENT,
+            "timeUnixNano": root["endTimeUnixNano"],
+            "attributes": [
+                {"key": k, "value": {"stringValue": v}}
+                for k, v in (
+                    (c.DIAGNOSIS_EVENT_CODE, "OFF_CPU_WAIT"),
+                    (c.DIAGNOSIS_EVENT_MESSAGE, finding),
+                    (c.DIAGNOSIS_EVENT_EVIDENCE, said),
+                )
+            ],
+        }
+    ]
+    (tmp_path / "t.jsonl").write_text(line("svc", [root]) + "\n")
+    text, page = io.StringIO(), tmp_path / "r.html"
+    assert run_report([str(tmp_path / "t.jsonl")], html_path=str(page), out=text) == 0
+    lines = text.getvalue().splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("  OFF_CPU_WAIT"))
+    assert lines[at].endswith(f"e.g. {finding}")
+    assert lines[at + 1] == f"      evidence: {said}"
+    assert f'<p class="evidence">evidence: {said}</p>' in page.read_text()

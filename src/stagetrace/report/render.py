@@ -7,6 +7,7 @@ import textwrap
 from collections.abc import Mapping
 from typing import Any
 
+from stagetrace.analysis.loopwait import split_blocker
 from stagetrace.conventions import UNTRACKED
 
 KIND_COLORS = {
@@ -107,6 +108,9 @@ def text_report(
         example = f"{summary['examples'].get(code, '')}{_trace_note(summary, code)}"
         counted_as = f"{_about(summary)}{_n(count)} requests" if summary.get("sampled") else f"{count} traces"
         out.append(f"  {code}  {counted_as} ({count / n:.0%}), e.g. {example}")
+        evidence = summary.get("evidence", {}).get(code)
+        if evidence:
+            out += textwrap.wrap(f"evidence: {evidence}", 100, initial_indent="      ", subsequent_indent="        ")
         for line in textwrap.wrap(summary["advice"].get(code, ""), 100):
             out.append(f"      {line}")
     if groups:
@@ -321,6 +325,23 @@ def _trace_note(summary: dict[str, Any], code: str) -> str:
     return f" (trace {trace})" if trace else ""
 
 
+def _evidence_html(evidence: str | None) -> str:
+    return f'<p class="evidence">evidence: {_esc(evidence)}</p>' if evidence else ""
+
+
+def _blocked_by_html(blocked_by: tuple[str, ...] | None) -> str:
+    """Who held the event loop while the request waited for it: each stage and its trace, longest first."""
+    if not blocked_by:
+        return ""
+    items = "".join(
+        f'<li><span class="code">{_esc(name)}</span> of trace {_esc(trace_id)}</li>'
+        for name, trace_id in map(split_blocker, blocked_by)
+    )
+    return (
+        f'<div class="blocked-by"><p>The event loop was held, while this request waited, by:</p><ol>{items}</ol></div>'
+    )
+
+
 def _waterfall_svg(spans: list[dict[str, Any]], width: int = 900) -> str:
     if not spans:
         return "<p>No spans kept for this trace.</p>"
@@ -336,9 +357,10 @@ def _waterfall_svg(spans: list[dict[str, Any]], width: int = 900) -> str:
         color = KIND_COLORS.get(s["kind"], KIND_COLORS["span"])
         name = ("  " * s["depth"]) + s["name"]
         parts.append(f'<text x="0" y="{y + 13}" class="lbl">{_esc(name[:34])}</text>')
+        merged = f" ({s['spans']} overlapping spans, their union)" if s.get("spans", 1) > 1 else ""
         parts.append(
             f'<rect x="{x:.1f}" y="{y + 3}" width="{w:.1f}" height="{row - 5}" fill="{color}">'
-            f"<title>{_esc(s['name'])}: {s['end_ms'] - s['start_ms']:.2f} ms</title></rect>"
+            f"<title>{_esc(s['name'])}: {s['end_ms'] - s['start_ms']:.2f} ms{merged}</title></rect>"
         )
         parts.append(f'<text x="{x + w + 4:.1f}" y="{y + 13}" class="val">{s["end_ms"] - s["start_ms"]:.1f}</text>')
     parts.append(f'<text x="{label_w}" y="{h - 4}" class="axis">0 ms</text>')
@@ -354,6 +376,7 @@ h1{font-size:22px;margin-bottom:4px} h2{font-size:17px;margin-top:28px;border-bo
 td,th{padding:4px 10px;border-bottom:1px solid #eee;text-align:right} td:first-child,th:first-child{text-align:left}
 .lbl{font-size:12px;fill:#333} .val,.axis{font-size:11px;fill:#666} .code{font-family:monospace;font-weight:bold}
 .advice{color:#444;margin:2px 0 12px 0} .legend span{display:inline-block;width:12px;height:12px;margin:0 4px 0 12px}
+.evidence{color:#555;margin:2px 0 2px 12px;font-size:13px}
 """
 
 
@@ -427,6 +450,7 @@ def html_report(
         body.append(
             f'<p><span class="code">{_esc(code)}</span> in {_esc(_n(count))} {unit} ({count / n:.0%}): '
             f"{_esc(summary['examples'].get(code, ''))}{_esc(_trace_note(summary, code))}</p>"
+            f"{_evidence_html(summary.get('evidence', {}).get(code))}"
             f'<p class="advice">{_esc(summary["advice"].get(code, ""))}</p>'
         )
     if groups:
@@ -437,7 +461,8 @@ def html_report(
         body.append(
             f'<h3 class="trace">{_esc(verdict.root_name)} {verdict.total_ms:.1f} ms: bottleneck '
             f"{_esc(verdict.bottleneck)} ({verdict.ratio:.0%}); {_esc(codes)}</h3>"
-            f'<p class="tid">trace {_esc(verdict.trace_id)}</p>{_waterfall_svg(spans)}'
+            f'<p class="tid">trace {_esc(verdict.trace_id)}</p>{_blocked_by_html(verdict.blocked_by)}'
+            f"{_waterfall_svg(spans)}"
         )
     return (
         f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{_esc(title)}</title>'

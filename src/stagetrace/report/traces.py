@@ -22,7 +22,7 @@ from stagetrace.analysis import (
     diagnose,
 )
 from stagetrace.analysis.diagnosis import ADVICE
-from stagetrace.analysis.model import CompressedInfo
+from stagetrace.analysis.model import CompressedInfo, ProcessLoad
 from stagetrace.analysis.streams import StreamSummary, largest, split_phases
 from stagetrace.exporter.spans import batch_from_attributes
 from stagetrace.report.loader import Span
@@ -57,6 +57,7 @@ def _stored_verdict(root: Span, trace_id: str, spans: list[Span]) -> Verdict:
             message=str(messages.get(code, {}).get(c.DIAGNOSIS_EVENT_MESSAGE, "")),
             advice=str(messages.get(code, {}).get(c.DIAGNOSIS_EVENT_ADVICE, ADVICE.get(str(code), ""))),
             stage=messages.get(code, {}).get(c.DIAGNOSIS_EVENT_STAGE),
+            evidence=messages.get(code, {}).get(c.DIAGNOSIS_EVENT_EVIDENCE),
         )
         for code in a.get(c.DIAGNOSIS) or ()
     )
@@ -114,6 +115,16 @@ def _with_phases(stream: StreamSummary, root_start_ns: int, samples: list[StageS
         first_chunk_bottleneck=largest(before),
         gap_bottleneck=largest(between),
     )
+
+
+def _stored_load(attributes: dict[str, Any]) -> ProcessLoad | None:
+    """The process's load a root's verdict was judged on (the CPU rules read it again where the verdict is
+    recomputed)."""
+    cpus = _typed(attributes.get(c.PROCESS_CPUS), int)
+    used, runnable = _float(attributes.get(c.PROCESS_CPUS_USED)), _float(attributes.get(c.PROCESS_RUNNABLE))
+    if cpus is None or used is None or runnable is None:
+        return None
+    return ProcessLoad(cpus, used, runnable, _float(attributes.get(c.REQUESTS_IN_FLIGHT)))
 
 
 def _typed(value: Any, kind: type) -> Any:
@@ -184,6 +195,7 @@ def verdict_for_trace(
         cpu_pressure_ms=_float(root.attributes.get(c.CPU_PRESSURE_MS)),
         loop_lag_ms=_float(root.attributes.get(c.LOOP_LAG_MS)),
         loop_held_ms=_float(root.attributes.get(c.LOOP_HELD_MS)),
+        load=_stored_load(root.attributes),
     )
     route = root.attributes.get(c.HTTP_ROUTE)
     return build_verdict(
@@ -207,24 +219,38 @@ def adjusted_count(spans: list[Span]) -> float:
 
 
 def waterfall(spans: list[Span], limit: int = 200) -> list[dict[str, Any]]:
-    """Spans relative to the global root, with their depth, for drawing (the first ``limit`` by start)."""
+    """Spans relative to the global root, with their depth, for drawing (the first ``limit`` by start).
+    Spans of one name under one parent that overlap (a composite and the slowest occurrence it shows, the
+    ``event_loop.wait`` stretches of one request) are drawn as their union, one bar (``spans``: how many),
+    as the verdict counts them: their bars would add up to more time than the trace lasted."""
     root = global_root(spans)
     by_id = {s.span_id: s for s in spans}
-    out = []
-    for s in sorted(spans, key=lambda x: x.start_ns)[:limit]:
+    out: list[dict[str, Any]] = []
+    open_bars: dict[tuple[str, str, str], dict[str, Any]] = {}  # (service, parent, name) -> the bar drawn last
+    for s in sorted(spans, key=lambda x: x.start_ns):
+        start_ms, end_ms = round((s.start_ns - root.start_ns) / 1e6, 3), round((s.end_ns - root.start_ns) / 1e6, 3)
+        key = (s.service, s.parent_span_id, s.name)
+        bar = open_bars.get(key)
+        if bar is not None and start_ms < bar["end_ms"]:
+            bar["end_ms"] = max(bar["end_ms"], end_ms)
+            bar["spans"] += 1
+            continue
+        if len(out) >= limit:
+            continue
         depth, parent = 0, by_id.get(s.parent_span_id)
         while parent is not None and depth < 32:
             depth, parent = depth + 1, by_id.get(parent.parent_span_id)
-        out.append(
-            {
-                "name": s.name,
-                "service": s.service,
-                "kind": s.attributes.get(c.STAGE_KIND, "span"),
-                "start_ms": round((s.start_ns - root.start_ns) / 1e6, 3),
-                "end_ms": round((s.end_ns - root.start_ns) / 1e6, 3),
-                "depth": depth,
-            }
-        )
+        bar = {
+            "name": s.name,
+            "service": s.service,
+            "kind": s.attributes.get(c.STAGE_KIND, "span"),
+            "start_ms": start_ms,
+            "end_ms": end_ms,
+            "depth": depth,
+            "spans": 1,
+        }
+        open_bars[key] = bar
+        out.append(bar)
     return out
 
 
