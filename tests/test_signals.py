@@ -696,3 +696,87 @@ def test_a_value_no_float_holds_is_skipped_and_leaves_the_series_whole():
     s.extend_flat((1, 10**400, 2, 1.0))
     s.extend_flat((3, 2.0, 4, -(10**400)))
     assert (s.times, s.values) == ([2, 3], [1.0, 2.0])
+
+
+# --- the process's load over a trace (CPU_OVERSUBSCRIBED / SERVICE_AT_CAPACITY) -------------------------------
+
+MS_NS = 1_000_000
+
+
+def _series(points):
+    s = LagSeries()
+    s.extend_flat(flatten([(int(t * MS_NS), v) for t, v in points]))
+    return s
+
+
+def test_the_process_load_is_read_between_the_readings_that_stand_for_the_window():
+    from stagetrace.exporter.signals import process_load
+
+    # cumulative ms: 2 CPUs' worth of on-CPU time a ms from 0 to 30, 6 threads' run-queue time
+    cpu = _series([(0, 0.0), (10, 20.0), (20, 40.0), (30, 60.0)])
+    rq = _series([(0, 0.0), (10, 40.0), (20, 80.0), (30, 120.0)])
+    in_flight = _series([(0, 8), (10, 8), (20, 6), (30, 2)])
+    load = process_load(cpu, rq, in_flight, 5 * MS_NS, 25 * MS_NS, cpus=2)  # ties: the readings outside
+    assert load == (2, 2.0, 6.0, 6.0)
+    assert process_load(cpu, rq, in_flight, 10 * MS_NS, 20 * MS_NS, cpus=2) == (2, 2.0, 6.0, 7.0)  # on readings
+    assert process_load(cpu, rq, in_flight, 10 * MS_NS, 20 * MS_NS, cpus=None) is None  # CPUs not known
+    assert process_load(cpu, rq, LagSeries(), 10 * MS_NS, 20 * MS_NS, cpus=2).requests is None
+    assert process_load(LagSeries(), rq, in_flight, 10 * MS_NS, 20 * MS_NS, cpus=2) is None
+
+
+def test_idle_time_before_or_after_a_burst_is_left_out_of_its_load():
+    """The last reading before a trace may be from before the process went idle (a second ago): the one
+    just after the trace began, within a quarter of it, stands for its start instead; likewise at its end."""
+    from stagetrace.exporter.signals import process_load
+
+    cpu = _series([(-1000, 0.0), (1, 0.0), (41, 80.0), (1500, 80.0)])
+    rq = _series([(-1000, 0.0), (1, 0.0), (41, 200.0), (1500, 200.0)])
+    load = process_load(cpu, rq, LagSeries(), 0, 40 * MS_NS, cpus=2)
+    assert (load.cpus_used, load.runnable) == (2.0, 7.0)
+    # a reading too far inside (more than a quarter of the window) does not stand for the start, and then the
+    # span with the idle second in it says too little of the window: not read
+    late = _series([(-1000, 0.0), (15, 0.0), (41, 80.0)])
+    assert process_load(late, _series([(-1000, 0.0), (15, 0.0), (41, 1.0)]), LagSeries(), 0, 40 * MS_NS, 2) is None
+
+
+def test_the_monitor_notes_the_requests_in_flight_with_each_reading_and_one_reading_as_it_goes_idle():
+    from stagetrace.capture.monitors import GilPressureMonitor
+
+    if not os.path.exists("/proc/thread-self/schedstat"):
+        pytest.skip("needs Linux schedstat")
+    flying = [3]
+    sampler = GilPressureMonitor(0.005, in_flight=lambda: flying[0])
+    sampler.ensure_running()
+    try:
+        deadline = time.monotonic() + 5
+        while sampler.process_reads < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        reads = sampler.process_reads
+        flying[0] = 0  # the last trace ended: the next wake-up reads once more, then sleeps
+        deadline = time.monotonic() + 5
+        while sampler.idle_waits < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+    finally:
+        sampler.stop()
+    counts = [v for _, v in sampler.in_flight.drain()]
+    totals = sampler.process_cpu.drain()
+    assert len(counts) == len(totals) >= reads + 1  # one count a reading
+    assert counts[-1] == 0 and set(counts[:-1]) <= {3, 0}  # the reading on going idle saw none in flight
+
+
+def test_the_cpus_a_process_may_use_are_its_affinity_less_a_cgroup_quota(tmp_path):
+    from stagetrace.common.cpus import quota_cpus, usable_cpus
+
+    v2, missing = tmp_path / "cpu.max", (tmp_path / "none", tmp_path / "none")
+    v2.write_text("150000 100000\n")
+    assert quota_cpus(v2, missing) == 1.5
+    assert usable_cpus(v2, missing) == min(2, len(os.sched_getaffinity(0)))  # 1.5 CPUs: two may run at once
+    v2.write_text("max 100000\n")
+    assert quota_cpus(v2, missing) is None and usable_cpus(v2, missing) == len(os.sched_getaffinity(0))
+    quota, period = tmp_path / "q", tmp_path / "p"
+    quota.write_text("50000"), period.write_text("100000")
+    assert quota_cpus(tmp_path / "absent", (quota, period)) == 0.5
+    assert usable_cpus(tmp_path / "absent", (quota, period)) == 1
+    quota.write_text("-1")
+    assert quota_cpus(tmp_path / "absent", (quota, period)) is None

@@ -65,6 +65,10 @@ GIL_PRESSURE_MS = "stagetrace.gil.pressure_ms"
 CPU_PRESSURE_MS = "stagetrace.cpu.pressure_ms"  # mean run-queue wait of the GIL monitor's wake-ups
 LOOP_LAG_MS = "stagetrace.loop.lag_ms"
 LOOP_HELD_MS = "stagetrace.loop.held_ms"  # the part of the worst stall that work on the loop's thread explains
+PROCESS_CPUS = "stagetrace.process.cpus"  # the CPUs the process may use (affinity, cgroup quota)
+PROCESS_CPUS_USED = "stagetrace.process.cpus_used"  # over the trace's window
+PROCESS_RUNNABLE = "stagetrace.process.runnable_threads"  # running or waiting for a CPU, on average
+REQUESTS_IN_FLIGHT = "stagetrace.process.requests_in_flight"  # traces in flight, on average
 # how many traces a kept root stands for (the healthy share's 1/p, and the traces of its signature the export
 # budget left out since the previous kept one): stagetrace report weights counts and percentiles by it
 SAMPLING_ADJUSTED_COUNT = "stagetrace.sampling.adjusted_count"
@@ -75,6 +79,7 @@ DIAGNOSIS_EVENT_CODE = "stagetrace.diagnosis.code"
 DIAGNOSIS_EVENT_MESSAGE = "stagetrace.diagnosis.message"
 DIAGNOSIS_EVENT_ADVICE = "stagetrace.diagnosis.advice"
 DIAGNOSIS_EVENT_STAGE = "stagetrace.diagnosis.stage"
+DIAGNOSIS_EVENT_EVIDENCE = "stagetrace.diagnosis.evidence"
 
 # --- metrics (OpenTelemetry names; Prometheus adds unit and _total suffixes) -----------------------------
 METRIC_STAGE_DURATION = "stagetrace.stage.duration"
@@ -181,6 +186,10 @@ VERDICT_FIELDS: tuple[tuple[str, str, type, int | None], ...] = (
     ("loop_held_ms", LOOP_HELD_MS, float, None),
     ("blocked_by", BLOCKED_BY, tuple, None),
     ("delayed_requests", DELAYED_REQUESTS, int, None),
+    ("process_cpus", PROCESS_CPUS, int, None),
+    ("process_cpus_used", PROCESS_CPUS_USED, float, 3),
+    ("process_runnable", PROCESS_RUNNABLE, float, 3),
+    ("requests_in_flight", REQUESTS_IN_FLIGHT, float, 2),
 )
 
 # The headline's name for time in no stage, when it exceeds every stage (stagetrace.bottleneck.stage and the
@@ -353,6 +362,28 @@ ATTRIBUTE_REFERENCE: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         ("root",),
         "the most other requests any of this request's sync stages held back on its loop",
     ),
+    (PROCESS_CPUS, "int", ("root",), "the CPUs the process may use: its affinity, less a cgroup's CPU quota"),
+    (
+        PROCESS_CPUS_USED,
+        "double",
+        ("root",),
+        "the CPUs the process's threads used over the trace's window (between the GIL monitor's readings that "
+        "stand for its start and its end)",
+    ),
+    (
+        PROCESS_RUNNABLE,
+        "double",
+        ("root",),
+        "the process's threads running or waiting for a CPU over the same window, on average: more than "
+        "`stagetrace.process.cpus` is the process oversubscribing its CPUs",
+    ),
+    (
+        REQUESTS_IN_FLIGHT,
+        "double",
+        ("root",),
+        "the traces in flight at those readings, on average: with the two above, whether the requests themselves "
+        "(SERVICE_AT_CAPACITY) or threads beside them (CPU_OVERSUBSCRIBED) outnumbered the CPUs",
+    ),
     (
         SAMPLING_ADJUSTED_COUNT,
         "double",
@@ -419,6 +450,12 @@ ATTRIBUTE_REFERENCE: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     (DIAGNOSIS_EVENT_MESSAGE, "string", ("event",), "what was measured, in words"),
     (DIAGNOSIS_EVENT_ADVICE, "string", ("event",), "what to do about it"),
     (DIAGNOSIS_EVENT_STAGE, "string", ("event",), "the stage the rule names, when it names one"),
+    (
+        DIAGNOSIS_EVENT_EVIDENCE,
+        "string",
+        ("event",),
+        "the measurements that decided the cause, where the rule has more to say than its finding",
+    ),
 )
 
 # Each metric's attributes (the metrics' names, kinds, units and descriptions are exporter/metrics.py's

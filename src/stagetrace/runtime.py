@@ -23,6 +23,7 @@ from stagetrace.exporter.metrics import MetricsRecorder, MetricsSink, SdkInstrum
 from stagetrace.exporter.outputs import LocalOutputs, NoMetrics, SpanForwarder
 from stagetrace.exporter.signals import (
     GIL_SERIES,
+    IN_FLIGHT_SERIES,
     LOOP_HELD_SERIES,
     LOOP_SERIES,
     PROCESS_CPU_SERIES,
@@ -90,6 +91,7 @@ class Runtime:
             sources[RUN_QUEUE_SERIES] = self.gil_sampler.run_queue
             sources[PROCESS_RUN_QUEUE_SERIES] = self.gil_sampler.process_run_queue
             sources[PROCESS_CPU_SERIES] = self.gil_sampler.process_cpu
+            sources[IN_FLIGHT_SERIES] = self.gil_sampler.in_flight
         self.loop_blocks = LoopBlockBuffer()
         self.requests_on_loop = self.registry.on_loop
         self.shipper = Shipper(

@@ -10,6 +10,7 @@ from trace_builders import MS, cpu, run
 from conftest import rules_that_cannot_fire
 from stagetrace.analysis import BatchInfo, DiagnosisThresholds, StageSample, TraceSignals, analyse_trace
 from stagetrace.analysis.diagnosis import ADVICE, RULE_CODES, RULES
+from stagetrace.analysis.model import ProcessLoad
 from stagetrace.analysis.streams import StreamSummary
 
 HEALTHY = [cpu("decode", 0, 30, cpu_ms=29, blocked_ms=0.5, runqueue_ms=0.5), cpu("post", 30, 95, cpu_ms=64)]
@@ -203,6 +204,10 @@ def firing_cases():
         "LOCK_OR_IO_WAIT": ([cpu("t", 0, 50, blocked_ms=40)], TraceSignals(gil_pressure_ms=0.1)),
         "OFF_CPU_WAIT": ([cpu("t", 0, 50, blocked_ms=40)], TraceSignals()),
         "CPU_OVERSUBSCRIBED": ([cpu("t", 0, 50, runqueue_ms=30)], TraceSignals()),
+        "SERVICE_AT_CAPACITY": (
+            [cpu("t", 0, 50, runqueue_ms=30)],
+            TraceSignals(load=ProcessLoad(cpus=2, cpus_used=2.0, runnable=8.5, requests=8.0)),
+        ),
         "EVENT_LOOP_BLOCKED": ([cpu("t", 0, 50, on_event_loop=True)], TraceSignals()),
         "QUEUEING": ([cpu("q", 0, 50, kind="wait")], TraceSignals()),
         "UNTRACKED_TIME": ([cpu("t", 0, 5)], TraceSignals()),

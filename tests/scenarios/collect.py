@@ -48,7 +48,9 @@ def explain(v: Verdict, spans: Sequence[Span]) -> str:
                 f"{label} {span.attributes[key]}" for label, key in CPU_FIGURES if key in span.attributes
             )
             lines.append(f"      stage {span.name}: {figures}")
-    lines += [f"      {d.code}: {d.message}" for d in v.diagnoses] or ["      (no diagnosis)"]
+    lines += [
+        f"      {d.code}: {d.message}" + (f" [evidence: {d.evidence}]" if d.evidence else "") for d in v.diagnoses
+    ] or ["      (no diagnosis)"]
     return "\n".join(lines)
 
 

@@ -395,9 +395,18 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     *twins(
         "CPU_OVERSUBSCRIBED",
-        ("cpu-oversubscribed", lambda: oversubscribed(threads=8, background=4), 16, 8),
+        # two requests at a time on two CPUs, beside six threads of the process compressing all along (as an
+        # intra-op pool would): the threads beside the requests outnumber the CPUs
+        ("cpu-oversubscribed", lambda: oversubscribed(threads=2, background=6), 16, 2),
         ("cpu-within-cores", lambda: oversubscribed(threads=1, background=0), 8, 1),
         allowed=frozenset({"UNTRACKED_TIME"}),  # the server's own code, in no stage, waits for a CPU too
+    ),
+    *twins(
+        "SERVICE_AT_CAPACITY",
+        # eight requests at a time, one thread each, on two CPUs, nothing else running: the requests themselves
+        ("service-at-capacity", lambda: oversubscribed(threads=8, background=0), 24, 8),
+        ("service-within-capacity", lambda: oversubscribed(threads=8, background=0), 8, 1),
+        allowed=frozenset({"UNTRACKED_TIME"}),
     ),
     *twins(
         "QUEUEING",

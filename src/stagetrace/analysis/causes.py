@@ -57,6 +57,34 @@ def host_out_of_cpus(sig: TraceSignals, th: DiagnosisThresholds) -> bool:
     return sig.cpu_pressure_ms is not None and sig.cpu_pressure_ms >= th.cpu_pressure_ms
 
 
+class Oversubscription(enum.Enum):
+    """Who took the CPUs a stage waited for, from the process's load over the trace (``TraceSignals.load``)."""
+
+    CAPACITY = "the requests themselves: more in flight than there are CPUs"
+    THREADS = "threads beside the requests' own: intra-op or worker pools beyond the CPUs"
+    HOST = "other processes: the process's own threads fit its CPUs"
+
+
+def oversubscription(sig: TraceSignals, th: DiagnosisThresholds) -> Oversubscription | None:
+    """None where the load was not read. The process's threads running or queued for a CPU (``runnable``)
+    no more than its CPUs: the CPUs went to other processes. More: the requests' doing when more requests
+    were in flight than there are CPUs and they make up ``capacity_requests_share`` of those threads (a
+    request runs on one thread); threads beside them otherwise."""
+    load = sig.load
+    if load is None:
+        return None
+    if load.runnable <= load.cpus:
+        return Oversubscription.HOST
+    requests = load.requests
+    if (
+        requests is not None
+        and requests > load.cpus
+        and min(requests, load.runnable) >= th.capacity_requests_share * load.runnable
+    ):
+        return Oversubscription.CAPACITY
+    return Oversubscription.THREADS
+
+
 def queued_share(s: StageLike) -> float:
     """The share of the stage's time off the CPU that it spent in the run queue."""
     rq = s.runqueue_ms or 0.0

@@ -21,12 +21,14 @@ from stagetrace.analysis.causes import (
     UNDETERMINED,
     BlockedCause,
     JudgedStages,
+    Oversubscription,
     blocked_causes,
     cpus_to_spare,
     gil_explainable_ms,
     holders_preempted,
     host_out_of_cpus,
     others_too_idle_for_gil,
+    oversubscription,
     proven_not_gil,
     short_of_cpus,
     waited_for_cpu,
@@ -39,17 +41,22 @@ from stagetrace.conventions import EVENT_LOOP_WAIT, GPU_KINDS
 
 @dataclass(frozen=True, slots=True)
 class Diagnosis:
+    """``message``: the finding, in a sentence; ``evidence``: the measurements that decided the cause, where
+    a rule has more to say than its finding (kept apart so that neither reads as one long sentence)."""
+
     code: str
     message: str
     advice: str
     stage: str | None = None
+    evidence: str | None = None
 
 
 class Found(NamedTuple):
-    """What a check found: the message, and the stage it names (if one)."""
+    """What a check found: the finding, the stage it names (if one), and its evidence (if any)."""
 
     message: str
     stage: str | None = None
+    evidence: str | None = None
 
 
 Stages = Sequence[StageLike]
@@ -139,12 +146,14 @@ def lock_or_io_wait(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: Dia
     if s is None:
         return None
     if proven_not_gil(s, th):
-        evidence = f", at least {s.not_gil_ms:.1f} ms of it in waits longer than a wait for the GIL lasts"
+        evidence = f"at least {s.not_gil_ms:.1f} ms of it in waits longer than a wait for the GIL lasts"
     else:
-        evidence = " with the GIL free"
+        lag = "" if sig.gil_pressure_ms is None else f" (GIL monitor wake-up lag {sig.gil_pressure_ms:.1f} ms)"
+        evidence = f"the GIL was free meanwhile{lag}"
     return Found(
-        f"'{s.name}' was off-CPU {s.blocked_ms:.1f} ms of its {s.wall_ms:.1f} ms{evidence}: a lock, queue or I/O wait",
+        f"'{s.name}' was off-CPU {s.blocked_ms:.1f} ms of its {s.wall_ms:.1f} ms: a lock, queue or I/O wait",
         s.name,
+        evidence,
     )
 
 
@@ -181,14 +190,15 @@ def off_cpu_wait(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: Diagno
         )
     return Found(
         f"'{s.name}' was off-CPU {s.blocked_ms:.1f} ms of its {s.wall_ms:.1f} ms, for the GIL or for a lock or "
-        f"I/O, and the signals cannot tell which: {why}",
+        "I/O; the signals cannot tell which",
         s.name,
+        why,
     )
 
 
-def cpu_oversubscribed(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: DiagnosisThresholds) -> Finding:
-    """A stage waited for a CPU (its run-queue time), or waited on GIL holders that the scheduler had
-    preempted (``PREEMPTED_HOLDERS``); the stage that lost the most of the two is named."""
+def _waited_for_cpu(stages: Stages, sig: TraceSignals, th: DiagnosisThresholds) -> tuple[StageLike, bool] | None:
+    """The stage that lost the most to waiting for a CPU (its run-queue time) or for GIL holders the
+    scheduler preempted (``PREEMPTED_HOLDERS``), and whether it was the latter."""
     hits = [
         (s, preempted)
         for s, cause in blocked_causes(stages, sig, th)
@@ -196,16 +206,65 @@ def cpu_oversubscribed(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: 
     ]
     if not hits:
         return None
-    s, preempted = max(hits, key=lambda h: (h[0].runqueue_ms or 0.0) + (gil_explainable_ms(h[0]) if h[1] else 0.0))
-    message = f"'{s.name}' waited {s.runqueue_ms or 0.0:.1f} ms of its {s.wall_ms:.1f} ms for a CPU (run queue)"
+    return max(hits, key=lambda h: (h[0].runqueue_ms or 0.0) + (gil_explainable_ms(h[0]) if h[1] else 0.0))
+
+
+def _cpu_wait_finding(s: StageLike, preempted: bool) -> str:
+    finding = f"'{s.name}' waited {s.runqueue_ms or 0.0:.1f} ms of its {s.wall_ms:.1f} ms for a CPU (run queue)"
     if preempted:
-        message += (
-            f", and {gil_explainable_ms(s):.1f} ms more off-CPU in waits as short as GIL handoffs (a GIL holder "
-            "preempted by the scheduler keeps the other threads waiting)"
+        finding += f", and {gil_explainable_ms(s):.1f} ms more for GIL holders the scheduler preempted"
+    return finding
+
+
+def cpu_oversubscribed(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: DiagnosisThresholds) -> Finding:
+    """A stage waited for a CPU, or on GIL holders that the scheduler had preempted; the stage that lost the
+    most of the two is named. Where the process's load says the requests themselves outnumbered the CPUs,
+    SERVICE_AT_CAPACITY says so instead; the evidence says whether threads beside the requests or other
+    processes took the CPUs."""
+    worst = _waited_for_cpu(stages, sig, th)
+    shape = oversubscription(sig, th)
+    if worst is None or shape is Oversubscription.CAPACITY:
+        return None
+    s, preempted = worst
+    evidence = []
+    if preempted:
+        evidence.append(
+            "its off-CPU waits were as short as GIL handoffs, and a GIL holder preempted by the scheduler keeps "
+            "the other threads waiting"
         )
     if host_out_of_cpus(sig, th):
-        message += f"; the process's woken threads waited {sig.cpu_pressure_ms:.1f} ms on average for a CPU"
-    return Found(message, s.name)
+        evidence.append(f"the process's woken threads waited {sig.cpu_pressure_ms:.1f} ms on average for a CPU")
+    load = sig.load
+    if load is not None and shape is Oversubscription.THREADS:
+        beside = "" if load.requests is None else f" for {load.requests:.1f} requests in flight"
+        evidence.append(
+            f"{load.runnable:.1f} of the process's threads were running or waiting for a CPU on average{beside}, "
+            f"on {load.cpus} CPUs: threads beside the requests' own (intra-op pools of torch, BLAS or OpenMP, "
+            "worker pools) outnumber the CPUs"
+        )
+    elif load is not None and shape is Oversubscription.HOST:
+        evidence.append(
+            f"the process used {load.cpus_used:.1f} of its {load.cpus} CPUs and its threads asked for "
+            f"{load.runnable:.1f} on average: other processes on the host took the CPUs"
+        )
+    return Found(_cpu_wait_finding(s, preempted), s.name, "; ".join(evidence) or None)
+
+
+def service_at_capacity(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: DiagnosisThresholds) -> Finding:
+    """A stage waited for a CPU while more requests were in flight than there are CPUs, and they were most of
+    the threads that wanted one: the service at its capacity, which fewer intra-op threads do not change."""
+    worst = _waited_for_cpu(stages, sig, th)
+    load = sig.load
+    if worst is None or load is None or oversubscription(sig, th) is not Oversubscription.CAPACITY:
+        return None
+    s, preempted = worst
+    return Found(
+        f"{_cpu_wait_finding(s, preempted)}, with {load.requests or 0.0:.1f} requests in flight on {load.cpus} CPUs",
+        s.name,
+        f"the process used {load.cpus_used:.1f} CPUs, and {load.runnable:.1f} of its threads were running or "
+        "waiting for a CPU on average: about one a request, so the requests themselves, not threads beside them, "
+        "outnumber the CPUs",
+    )
 
 
 def event_loop_blocked(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: DiagnosisThresholds) -> Finding:
@@ -229,8 +288,9 @@ def event_loop_blocked(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: 
     if waited:
         return Found(
             f"the request waited {wait_ms:.1f} ms ({wait_ms / a.total_ms:.0%}) for the event loop while other "
-            f"requests' sync stages held it{_blockers(sig.blocked_by)}",
+            "requests' sync stages held it",
             EVENT_LOOP_WAIT,
+            _blockers(sig.blocked_by),
         )
     if own is not None:
         return Found(
@@ -252,12 +312,12 @@ def event_loop_blocked(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: 
     return None
 
 
-def _blockers(blocked_by: tuple[str, ...]) -> str:
+def _blockers(blocked_by: tuple[str, ...]) -> str | None:
     if not blocked_by:
-        return ""
+        return None
     name, trace_id = split_blocker(blocked_by[0])
     more = f" and {len(blocked_by) - 1} more" if len(blocked_by) > 1 else ""
-    return f": '{name}' of trace {trace_id}{more}"
+    return f"held longest by '{name}' of trace {trace_id}{more}"
 
 
 def _queued_ms(s: StageLike) -> float:
@@ -351,11 +411,11 @@ def untracked_time(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: Diag
     # On a host short of CPUs the server's own code (in no stage) waits for one like the stages do: said, so
     # that more stages are not the only remedy read into it.
     starved = (
-        "; the host was short of CPUs meanwhile, and code in no stage waits for one too"
+        "the host was short of CPUs meanwhile, and code in no stage waits for one too"
         if short_of_cpus(stages, sig, th)
-        else ""
+        else None
     )
-    return Found(f"{a.untracked_ms:.1f} ms ({share:.0%}) of the request is in no stage{starved}")
+    return Found(f"{a.untracked_ms:.1f} ms ({share:.0%}) of the request is in no stage", None, starved)
 
 
 def stream_cpu_bound(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: DiagnosisThresholds) -> Finding:
@@ -453,17 +513,32 @@ RULES: tuple[DiagnosisRule, ...] = (
         ),
         requires=frozenset({Signal.STAGE_CPU}),
         thresholds=CLASSIFIER_THRESHOLDS,
-        undetermined_between=("GIL_CONTENTION", "LOCK_OR_IO_WAIT", "CPU_OVERSUBSCRIBED"),
+        undetermined_between=("GIL_CONTENTION", "LOCK_OR_IO_WAIT", "CPU_OVERSUBSCRIBED", "SERVICE_AT_CAPACITY"),
     ),
     DiagnosisRule(
         "CPU_OVERSUBSCRIBED",
         cpu_oversubscribed,
         advice=(
             "Runnable threads outnumber cores. Use fewer threads than cores: cap torch.set_num_threads, "
-            "OMP_NUM_THREADS / MKL_NUM_THREADS, the worker count and the thread pool."
+            "OMP_NUM_THREADS / MKL_NUM_THREADS, the worker count and the thread pool. Where the evidence says "
+            "other processes took the CPUs, give the service CPUs of its own (a CPU limit or affinity for the "
+            "others, another host)."
         ),
         requires=frozenset({Signal.STAGE_CPU}),
-        thresholds=(*CLASSIFIER_THRESHOLDS, "runqueue_share", "runqueue_min_ms"),
+        thresholds=(*CLASSIFIER_THRESHOLDS, "runqueue_share", "runqueue_min_ms", "capacity_requests_share"),
+    ),
+    DiagnosisRule(
+        "SERVICE_AT_CAPACITY",
+        service_at_capacity,
+        advice=(
+            "More requests ran at once than there are CPUs, and each waited for a CPU behind the others: the "
+            "service is at its capacity, and capping intra-op threads will not change it. Limit concurrency to "
+            "about the number of CPUs (uvicorn --limit-concurrency, the thread pool's size, a semaphore), so "
+            "that the queue forms in front of the service where it is measured, and add replicas or CPUs for "
+            "more throughput."
+        ),
+        requires=frozenset({Signal.STAGE_CPU}),
+        thresholds=(*CLASSIFIER_THRESHOLDS, "runqueue_share", "runqueue_min_ms", "capacity_requests_share"),
     ),
     DiagnosisRule(
         "EVENT_LOOP_BLOCKED",
@@ -609,7 +684,7 @@ def diagnose(
             continue
         hit = rule.check(analysis, in_request, signals, thresholds)
         if hit is not None:
-            found.append(Diagnosis(rule.code, hit.message, rule.advice, hit.stage))
+            found.append(Diagnosis(rule.code, hit.message, rule.advice, hit.stage, hit.evidence))
     return tuple(found)
 
 

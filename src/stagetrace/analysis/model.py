@@ -163,6 +163,17 @@ class StageSample:
         return max(0, self.end_ns - self.start_ns) / 1e6
 
 
+class ProcessLoad(NamedTuple):
+    """What the process asked of the host's CPUs over a trace's window (``exporter.signals.process_load``):
+    the CPUs it may use, how many of them its threads used, how many threads were running or waiting for a
+    CPU on average, and how many requests were in flight meanwhile (None: not read)."""
+
+    cpus: int
+    cpus_used: float
+    runnable: float
+    requests: float | None
+
+
 class TraceSignals(NamedTuple):
     """Process-level signals over the trace's time window, joined in by the exporter (None: not measured).
     A named tuple, not a frozen dataclass: one is made for every trace, and a tuple is made in a third of
@@ -175,6 +186,7 @@ class TraceSignals(NamedTuple):
     loop_held_ms: float | None = None  # of the worst loop stall, what work on the loop's own thread explains
     blocked_by: tuple[str, ...] = ()  # the stages that held the loop while the request waited ("<stage>@<trace id>")
     stream: StreamSummary | None = None  # its response streamed: chunks, gaps, phases
+    load: ProcessLoad | None = None  # the process's CPU use, runnable threads and requests over the window
 
 
 NO_SIGNALS = TraceSignals()

@@ -38,6 +38,10 @@ class DiagnosisThresholds:
     holders_queued_share: float = 0.5
     runqueue_share: float = 0.30
     runqueue_min_ms: float = 5.0  # a few ms waiting for a CPU on a busy host is not actionable
+    # A wait for a CPU is the service at capacity (SERVICE_AT_CAPACITY) when more requests were in flight
+    # than there are CPUs and they were at least this share of the process's threads running or queued for a
+    # CPU; more threads beside them than that is oversubscription by threads (CPU_OVERSUBSCRIBED).
+    capacity_requests_share: float = 0.5
     event_loop_stage_ms: float = 20.0
     event_loop_lag_ms: float = 50.0
     event_loop_wait_ms: float = 20.0  # a request waiting this long for its loop while others' stages held it ...

@@ -8,7 +8,7 @@ from typing import Any
 
 from stagetrace.analysis.breakdown import TraceAnalysis
 from stagetrace.analysis.diagnosis import Diagnosis
-from stagetrace.analysis.model import TraceSignals
+from stagetrace.analysis.model import ProcessLoad, TraceSignals
 from stagetrace.analysis.streams import StreamSummary
 from stagetrace.conventions import UNTRACKED
 
@@ -44,6 +44,12 @@ class Verdict:
     delayed_requests: int | None = None  # other requests on its loop while its own sync stages held it
     stream: StreamSummary | None = None  # its response streamed: chunks, time to the first, gaps, phases
     gen_ai: Mapping[str, Any] | None = None  # the generative model it served (gen_ai.* attributes), if said
+    # the process's load over the trace (TraceSignals.load): its CPUs, the CPUs it used, its threads running or
+    # queued for a CPU, the requests in flight (on average)
+    process_cpus: int | None = None
+    process_cpus_used: float | None = None
+    process_runnable: float | None = None
+    requests_in_flight: float | None = None
 
     @property
     def bottleneck_ms(self) -> float:
@@ -91,4 +97,16 @@ def build_verdict(
         stage_kinds=analysis.stage_kinds,
         stream=signals.stream if signals else None,
         gen_ai=gen_ai or None,
+        **_load_fields(signals.load if signals else None),
     )
+
+
+def _load_fields(load: ProcessLoad | None) -> dict[str, Any]:
+    if load is None:
+        return {}
+    return {
+        "process_cpus": load.cpus,
+        "process_cpus_used": load.cpus_used,
+        "process_runnable": load.runnable,
+        "requests_in_flight": load.requests,
+    }

@@ -101,7 +101,8 @@ class GilPressureMonitor:
     the host's oversubscription as any thread of the process meets it; and the process's scheduler totals so
     far (cumulative ms, ``capture.cpu.ProcessSchedTotals``): the other threads' run-queue wait
     (``process_run_queue``), which bounds how much of a stage's blocked time preempted GIL holders can
-    explain, and every thread's on-CPU time (``process_cpu``), which bounds how much of it the GIL can. Those
+    explain, and every thread's on-CPU time (``process_cpu``), which bounds how much of it the GIL can; with
+    them, the traces in flight (``in_flight``): together, how many requests the process's CPU use served. Those
     cost a read per thread, so they are taken at the wake-ups after one that waited (where the bounds matter)
     and every ``PROCESS_READ_EVERY`` otherwise: a quiet wake-up costs a sleep and one read of its own
     schedstat.
@@ -118,6 +119,7 @@ class GilPressureMonitor:
         self.run_queue = SampleBuffer(max_samples)
         self.process_run_queue = SampleBuffer(max_samples)
         self.process_cpu = SampleBuffer(max_samples)
+        self.in_flight = SampleBuffer(max_samples)  # traces in flight at each reading of the totals
         self._process: ProcessSchedTotals | None = None  # made on the sampler's thread (its run-queue left out)
         self._totals_lock = threading.Lock()  # a reading and its samples, in order, from either thread
         self.wake = threading.Event()
@@ -151,6 +153,11 @@ class GilPressureMonitor:
         schedule = ProcessReadSchedule()
         while not self._stop.is_set():
             if in_flight is not None and not in_flight():
+                if t0 and self._process is not None:
+                    # the first wake-up with nothing in flight: a reading just after the last trace's end, so that
+                    # the readings bracket it closely and not across the idle time until the next burst
+                    self._note_process_totals(self._process)
+                    self.process_reads += 1
                 wake.clear()  # before the check: a trace opened from here on sets it again
                 if not in_flight():
                     self.idle_waits += 1
@@ -215,6 +222,8 @@ class GilPressureMonitor:
             run_queue_ms, cpu_ms = process.totals_ms()
             self.process_run_queue.add(run_queue_ms)
             self.process_cpu.add(cpu_ms)
+            if self._in_flight is not None:  # beside the totals: how many requests shared those CPUs
+                self.in_flight.add(self._in_flight())
 
     def stop(self) -> None:
         self._stop.set()

@@ -24,6 +24,7 @@ from stagetrace.analysis.loopwait import blocker_entry, loop_waits, request_arri
 from stagetrace.analysis.model import CompressedInfo
 from stagetrace.analysis.streams import summarise_stream
 from stagetrace.common import wire
+from stagetrace.common.cpus import usable_cpus
 from stagetrace.exporter import signals as sig
 from stagetrace.exporter import spans as sp
 from stagetrace.exporter.budget import AdjustedCounts, BudgetLimits, ExportBudget, own_weight, signature_of
@@ -115,6 +116,8 @@ class ExporterCore:
         self.handled = 0  # traces, stages and spans handled (acknowledged to the application)
         self._slow_log = RateLimitedLog(per_interval=settings.slow_log_per_minute, interval_s=60.0)
         self._malformed_log = RateLimitedLog(per_interval=5, interval_s=60.0)
+        self._last_tick = time.monotonic()
+        self.cpus = usable_cpus()  # the application's: the exporter inherits its affinity and cgroup
         self._handlers = {
             wire.TRACE: self._trace,
             wire.LONE_STAGE: self._lone_stage,
@@ -147,15 +150,28 @@ class ExporterCore:
 
     def skipped(self, reason: str, count: int = 1) -> None:
         self.metrics.dropped("malformed_record", count)
-        self._malformed_log.log(logging.WARNING, "malformed", "stagetrace: skipped a malformed record: %s", reason)
+        self._malformed_log.log(
+            logging.WARNING, "malformed-record", "stagetrace: skipped a malformed record: %s", reason
+        )
 
     def flush(self, timeout_s: float) -> bool:
         self._export(self.batches.expire(time.monotonic()))
         return self.outputs.flush(timeout_s)
 
     def finish(self) -> None:
-        """Before shutdown: batch traces still waiting for members are decided on what is known."""
+        """Before shutdown: batch traces still waiting for members are decided on what is known, and what the
+        rate-limited logs left out is said."""
         self._export(self.batches.expire(time.monotonic(), everything=True))
+        self._slow_log.report_suppressed(final=True)
+        self._malformed_log.report_suppressed(final=True)
+
+    def tick(self, now: float) -> None:
+        """Called often by whoever runs the core (at most once a second does anything): a rate-limited log's
+        window that closed with records left out says how many."""
+        if now - self._last_tick >= 1.0:
+            self._last_tick = now
+            self._slow_log.report_suppressed()
+            self._malformed_log.report_suppressed()
 
     def _export(self, spans: Sequence[wire.WireSpan]) -> None:
         if spans:
@@ -387,7 +403,16 @@ class ExporterCore:
         gil, run_queue = self.series[sig.GIL_SERIES], self.series[sig.RUN_QUEUE_SERIES]
         loop, held = self.series[sig.LOOP_SERIES], self.series[sig.LOOP_HELD_SERIES]
         period_s = s.gil_sampler_period_s or 0.01
+        load = sig.process_load(
+            self.series[sig.PROCESS_CPU_SERIES],
+            self.series[sig.PROCESS_RUN_QUEUE_SERIES],
+            self.series[sig.IN_FLIGHT_SERIES],
+            start_ns,
+            end_ns,
+            self.cpus,
+        )
         return TraceSignals(
+            load=load,
             gpu_utilization=gpu_utilization if isinstance(gpu_utilization, (int, float)) else None,
             gil_pressure_ms=(
                 sig.sampler_mean_ms(gil, start_ns, end_ns, period_s, proof_ms=self._gil_wait_bound_ms)
@@ -458,7 +483,7 @@ class ExporterCore:
         codes = f"; diagnosis {', '.join(v.diagnosis_codes)}" if v.diagnoses else ""
         self._slow_log.log(
             logging.WARNING,
-            "slow",
+            "slow-trace",
             "stagetrace: slow trace %s%s %.1f ms > %.0f ms; %s%s; trace_id=%s",
             v.root_name,
             where,

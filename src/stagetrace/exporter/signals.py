@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from stagetrace.analysis.loopwait import LoopBlock
+from stagetrace.analysis.model import ProcessLoad
 from stagetrace.common.schedstat import not_gil_ms, schedstat_delta
 from stagetrace.settings import GIL_MIN_SAMPLES, MIN_CPU_ACCOUNTED_NS
 
@@ -22,7 +23,16 @@ LOOP_HELD_SERIES = "loopheld"  # per loop-lag wake-up: the part of the stall wor
 # threads' run-queue wait so far, and every thread's on-CPU time so far.
 PROCESS_RUN_QUEUE_SERIES = "procrq"
 PROCESS_CPU_SERIES = "proccpu"
-SERIES = (GIL_SERIES, RUN_QUEUE_SERIES, LOOP_SERIES, LOOP_HELD_SERIES, PROCESS_RUN_QUEUE_SERIES, PROCESS_CPU_SERIES)
+IN_FLIGHT_SERIES = "inflight"  # at the same reads: the traces in flight
+SERIES = (
+    GIL_SERIES,
+    RUN_QUEUE_SERIES,
+    LOOP_SERIES,
+    LOOP_HELD_SERIES,
+    PROCESS_RUN_QUEUE_SERIES,
+    PROCESS_CPU_SERIES,
+    IN_FLIGHT_SERIES,
+)
 
 
 def resolve_cpu(stage: Any, gil_wait_bound_ms: float | None = None) -> None:
@@ -86,6 +96,58 @@ def cumulative_change(series: LagSeries, start_ns: int, end_ns: int) -> float | 
     if before < 0 or after >= len(times):
         return None
     return max(0.0, values[after] - values[before])
+
+
+def _nearest(times: list[int], at_ns: int, tolerance_ns: int, *, start: bool) -> int | None:
+    """The index of the reading that stands for ``at_ns``: the one on the window's outer side (the last at or
+    before a start, the first at or after an end), unless the one just inside is within ``tolerance_ns`` of
+    it and nearer: a process idle before a burst (no trace in flight, no readings) or after it would
+    otherwise spread the window's CPU use over the idle time."""
+    if start:
+        outer = bisect.bisect_right(times, at_ns) - 1
+        inner = outer + 1
+    else:
+        outer = bisect.bisect_left(times, at_ns)
+        inner = outer - 1
+    found = [(abs(times[outer] - at_ns), 0, outer)] if 0 <= outer < len(times) else []
+    if 0 <= inner < len(times) and abs(times[inner] - at_ns) <= tolerance_ns:
+        found.append((abs(times[inner] - at_ns), 1, inner))  # a tie: the outer one
+    return min(found)[2] if found else None
+
+
+def process_load(
+    cpu: LagSeries, run_queue: LagSeries, in_flight: LagSeries, start_ns: int, end_ns: int, cpus: int | None
+) -> ProcessLoad | None:
+    """What the process asked of the host's CPUs over a window: between the GIL monitor's readings that stand
+    for its start and its end (``_nearest``), the CPUs its threads used (on-CPU time over the span), the threads
+    running or queued for a CPU on average (on-CPU plus run-queue time over the span: the monitor's own run
+    queue left out, as it was read), and the traces in flight at those readings, on average. None without
+    such readings (a span under half the window's, or over twice it plus 50 ms, says too little of it), or
+    without the CPU count."""
+    if cpus is None or not len(cpu) or not len(run_queue):
+        return None
+    times = cpu.times
+    window_ns = end_ns - start_ns
+    tolerance_ns = max(2_000_000, window_ns // 4)
+    first = _nearest(times, start_ns, tolerance_ns, start=True)
+    last = _nearest(times, end_ns, tolerance_ns, start=False)
+    if first is None or last is None or last <= first:
+        return None
+    span_ns = times[last] - times[first]
+    if span_ns < window_ns / 2 or span_ns > 2 * window_ns + 50_000_000:
+        return None
+    span_ms = span_ns / 1e6
+    used_ms = max(0.0, cpu.values[last] - cpu.values[first])
+    queued_ms = cumulative_change(run_queue, times[first], times[last])
+    if queued_ms is None:
+        return None
+    counts = in_flight.window(times[first], times[last]) if len(in_flight) else []
+    return ProcessLoad(
+        cpus=cpus,
+        cpus_used=round(used_ms / span_ms, 3),
+        runnable=round((used_ms + queued_ms) / span_ms, 3),
+        requests=round(sum(counts) / len(counts), 2) if counts else None,
+    )
 
 
 _EXACT_INT = frozenset({int})  # exact types: a bool or an int subclass goes the checked way

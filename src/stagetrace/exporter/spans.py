@@ -190,6 +190,8 @@ def diagnosis_events(verdict: Verdict, timestamp_ns: int) -> tuple[Any, ...]:
         }
         if d.stage:
             attrs[c.DIAGNOSIS_EVENT_STAGE] = d.stage
+        if d.evidence:
+            attrs[c.DIAGNOSIS_EVENT_EVIDENCE] = d.evidence
         events.append((c.DIAGNOSIS_EVENT, timestamp_ns, attrs))
     return tuple(events)
 

@@ -176,7 +176,8 @@ class Aggregator:
         self.stages: dict[str, StageSummary] = {}
         self.bottlenecks = Tally()
         self.diagnoses = Tally()
-        self.messages: dict[str, str] = {}
+        self.messages: dict[str, str] = {}  # an example finding of each code
+        self.evidence: dict[str, str] = {}  # and its evidence, where it has one
         self.total = QuantileSketch()
         self.gpu_utilization = QuantileSketch()
         self.batches: dict[str, BatchSummary] = {}
@@ -206,7 +207,10 @@ class Aggregator:
                 self.stages[verdict.bottleneck].bottleneck += weight
         for d in verdict.diagnoses:
             self.diagnoses[d.code] += weight
-            self.messages.setdefault(d.code, d.message)
+            if d.code not in self.messages:
+                self.messages[d.code] = d.message
+                if d.evidence:
+                    self.evidence[d.code] = d.evidence
         if verdict.gpu_utilization is not None:
             self.gpu_utilization.add(verdict.gpu_utilization, weight)
         if verdict.stream is not None:
@@ -243,7 +247,10 @@ class Aggregator:
         self.bottlenecks.add_all(other.bottlenecks)
         self.diagnoses.add_all(other.diagnoses)
         for code, message in other.messages.items():
-            self.messages.setdefault(code, message)
+            if code not in self.messages:
+                self.messages[code] = message
+                if code in other.evidence:
+                    self.evidence[code] = other.evidence[code]
         self.total.merge(other.total)
         self.gpu_utilization.merge(other.gpu_utilization)
         for name, b in other.batches.items():
@@ -311,6 +318,7 @@ class Aggregator:
             "diagnoses": counts(self.diagnoses),
             "advice": {code: ADVICE.get(code, "") for code in self.diagnoses},
             "examples": {code: self.messages[code] for code in self.diagnoses},
+            "evidence": {code: self.evidence[code] for code in self.diagnoses if code in self.evidence},
         }
         if self.gpu_utilization.count:
             out["gpu_utilization"] = {
