@@ -307,3 +307,70 @@ def test_the_takeover_moves_only_what_the_user_did_not_choose_and_stagetraces_ow
         for processor in (otlp, vendor, ours):
             processor.shutdown()
         reader.shutdown()
+
+
+UVICORN_APP = textwrap.dedent(
+    """
+    import time
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.post("/predict/")
+    def predict():
+        time.sleep(0.03)  # in no stage of its own: the automatic stages and the framework's
+        return {"ok": True}
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("distro", [True, False], ids=["distro", "no distro"])
+def test_the_zero_code_page_followed_literally_under_uvicorn_ends_with_a_report(tmp_path, distro):
+    """docs/getting-started/zero-code.md as a newcomer runs it: uvicorn under opentelemetry-instrument with
+    automatic stages and a service name, requests, Ctrl-C, then ``stagetrace report stagetrace-out``: the
+    verdicts in the embedded default's files, counted by its metrics, and nothing sent to localhost."""
+    import signal
+    import urllib.request
+
+    from harness import free_port, wait_for_port
+
+    (tmp_path / "app.py").write_text(UVICORN_APP)
+    bin_dir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
+    env |= {"PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", "STAGETRACE_AUTO_STAGES": "true",
+            "OTEL_SERVICE_NAME": "detector", **({} if distro else NO_DISTRO)}  # fmt: skip
+    port = free_port()
+    server = subprocess.Popen(
+        [str(bin_dir / "opentelemetry-instrument"), "uvicorn", "app:app", "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for_port(port, server)
+        for _ in range(12):
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/predict/", data=b"", method="POST")
+            assert urllib.request.urlopen(request, timeout=10).status == 200
+    finally:
+        server.send_signal(signal.SIGINT)  # Ctrl-C
+        _, stderr = server.communicate(timeout=30)
+    assert "localhost:4317" not in stderr and "Failed to export" not in stderr, stderr[-2000:]
+    out_dir = tmp_path / "stagetrace-out"
+    names = sorted(p.name for p in out_dir.iterdir())
+    assert names == [f"metrics-detector-{server.pid}.jsonl", f"traces-detector-{server.pid}.jsonl"], names
+    report = subprocess.run(
+        [str(bin_dir / "stagetrace"), "report", "stagetrace-out"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert report.returncode == 0, report.stderr
+    assert report.stdout.startswith("stagetrace report: ") and "(0 malformed lines)" in report.stdout
+    summary = json.loads(
+        subprocess.run(
+            [str(bin_dir / "stagetrace"), "report", "stagetrace-out", "--json"], cwd=tmp_path, env=env,
+            capture_output=True, text=True, check=True,
+        ).stdout
+    )  # fmt: skip
+    assert summary["counted"] == {"requests": 12, "slow": 0} and 1 <= summary["traces"] <= 12
+    assert "serialize" in summary["stages"] or "fastapi.serialization" in summary["stages"]  # automatic stages
