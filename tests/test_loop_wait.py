@@ -175,7 +175,7 @@ def test_requests_waiting_for_a_loop_held_by_others_name_what_held_it(harness):
         d = next((d for d in v.diagnoses if d.code == "EVENT_LOOP_BLOCKED"), None)
         assert d is not None
         if d.stage == c.EVENT_LOOP_WAIT:
-            assert "'resize' of trace " in d.message
+            assert "'resize' of trace " in (d.evidence or "")
     slowest = max(victims, key=lambda v: v.breakdown[c.EVENT_LOOP_WAIT])
     assert slowest.breakdown[c.EVENT_LOOP_WAIT] >= 20  # at least half a resize waited out
 
