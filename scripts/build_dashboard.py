@@ -120,7 +120,8 @@ def build() -> dict:
             ],
             unit="percentunit",
             options=stat_opts,
-            description="Share of traces over their slow threshold (stagetrace.slow=true).",
+            description="Share of traces slow (stagetrace.slow=true): a response over its slow threshold; a "
+            "streamed response by its phases, its first chunk or its gaps' p99 over theirs, not by its length.",
         ),
         panel(
             3,
@@ -213,7 +214,7 @@ def build() -> dict:
         ),
         panel(
             9,
-            "Slow-trace rate",
+            "Slow-trace rate, by route and by reason",
             "timeseries",
             (0, 22, 12, 8),
             [
@@ -222,9 +223,19 @@ def build() -> dict:
                     f"sum by (http_route) (rate({TRACE}_count{{{SEL}}}[{RATE}])) * 0)"
                     f" / sum by (http_route) (rate({TRACE}_count{{{SEL}}}[{RATE}]))",
                     "{{http_route}}",
-                )
+                ),
+                target(
+                    f"sum by (stagetrace_slow_reason) "
+                    f'(rate({TRACE}_count{{{SEL}, stagetrace_slow="true"}}[{RATE}]))'
+                    f" / scalar(sum(rate({TRACE}_count{{{SEL}}}[{RATE}])))",
+                    "slow by {{stagetrace_slow_reason}}",
+                    ref="B",
+                ),
             ],
             unit="percentunit",
+            description="The share of each route's traces that were slow, and of all traces what made them "
+            "slow: total (a response's duration), first_chunk or gap (a streamed response's time to the first "
+            "chunk, else its gaps' p99).",
         ),
         panel(
             10,

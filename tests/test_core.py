@@ -166,7 +166,7 @@ def test_metric_attributes_follow_the_contract(make_harness):
     (stage_point,) = h.metric_points(c.METRIC_STAGE_DURATION)
     assert dict(stage_point.attributes) == {c.STAGE: "decode", c.STAGE_KIND: "cpu", c.HTTP_ROUTE: "/x"}
     (trace_point,) = h.metric_points(c.METRIC_TRACE_DURATION)
-    assert dict(trace_point.attributes) == {c.HTTP_ROUTE: "/x", c.SLOW: True}
+    assert dict(trace_point.attributes) == {c.HTTP_ROUTE: "/x", c.SLOW: True, c.SLOW_REASON: c.SLOW_TOTAL}
     (bottleneck_point,) = h.metric_points(c.METRIC_BOTTLENECK)
     # 30 ms in no stage against a 5 ms stage: the headline is the untracked time, not the stage
     assert dict(bottleneck_point.attributes) == {c.STAGE: c.UNTRACKED}
@@ -176,7 +176,7 @@ def test_metric_attributes_follow_the_contract(make_harness):
     assert "UNTRACKED_TIME" in codes
     # the stage sleeps: off-CPU with the GIL free; on a host short of CPUs the wait may go undetermined or be
     # a wait for a CPU, never the GIL
-    assert codes <= {"UNTRACKED_TIME", "LOCK_OR_IO_WAIT", "OFF_CPU_WAIT", "CPU_OVERSUBSCRIBED"}
+    assert codes <= {"UNTRACKED_TIME", "LOCK_OR_IO_WAIT", "OFF_CPU_WAIT", "CPU_OVERSUBSCRIBED", "SERVICE_AT_CAPACITY"}
 
 
 def test_untracked_time_diagnosis_is_a_root_event(harness):

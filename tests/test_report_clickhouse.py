@@ -85,6 +85,7 @@ def assert_same_report(files: dict, ch: dict) -> None:
     assert ch["traces"] == files["traces"] and ch["slow_traces"] == files["slow_traces"]
     assert ch["requests"] == pytest.approx(files["requests"]) and ch["sampled"] == files["sampled"]
     assert ch["slow_requests"] == pytest.approx(files["slow_requests"])
+    assert ch["slow_reasons"] == pytest.approx(files["slow_reasons"])
     assert ch["bottlenecks"] == files["bottlenecks"]
     assert ch["diagnoses"] == files["diagnoses"]
     for q in ("p50", "p95", "p99"):
@@ -470,6 +471,7 @@ def sampled_root(trace: str, total_ms: float, weight: float, codes=()) -> str:
         c.TOTAL_MS: total_ms, c.SLOW: total_ms > 200, c.STAGES: ["work"], c.STAGES_MS: [total_ms],
         c.BOTTLENECK_STAGE: "work", c.BOTTLENECK_RATIO: 1.0, c.SAMPLING_ADJUSTED_COUNT: weight,
         **({c.DIAGNOSIS: list(codes)} if codes else {}),
+        **({c.SLOW_REASON: c.SLOW_GAP} if total_ms > 200 else {}),  # a stream slow by its gaps, say
     }  # fmt: skip
     root = span(trace, "a" * 16, "", "GET /p", 0, total_ms, attrs, kind=2)
     return line("svc", [root, stage(trace, "b" * 16, "a" * 16, "work", 0, total_ms)])
@@ -487,5 +489,6 @@ def test_sampled_traces_are_weighted_in_clickhouse_as_in_the_files(tmp_path):
     assert rc == 0, err
     assert files["traces"] == 5 and files["requests"] == 34 and files["slow_requests"] == 4
     assert files["diagnoses"] == {"QUEUEING": 4} and files["stages"]["work"]["bottleneck_traces"] == 34
+    assert files["slow_reasons"] == {c.SLOW_GAP: 4}
     assert files["total_ms"]["p50"] < 2.0 < files["total_ms"]["p95"]  # 30 of the 34 requests took ~1 ms
     assert_same_report(files, ch)

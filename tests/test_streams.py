@@ -6,6 +6,7 @@ each phase, the stream rules and the stream and GenAI metrics."""
 from __future__ import annotations
 
 import asyncio
+import io
 import math
 import random
 import socket
@@ -524,3 +525,149 @@ def test_a_folded_occurrence_that_held_the_event_loop_is_still_blamed(harness):
     (v,) = harness.wait_verdicts(1)
     d = next((d for d in v.diagnoses if d.code == "EVENT_LOOP_BLOCKED"), None)
     assert d is not None and d.stage == "render", v.diagnoses
+
+
+# --- a stream is slow by its phases, not its length ---------------------------------------------------------
+
+
+def _judged(stream, first_ms=200.0, gap_ms=100.0, total_ms=130.0):
+    from stagetrace.analysis import build_verdict
+    from stagetrace.analysis.streams import StreamThresholds
+
+    kinds = {"prefill": "gpu", "decode": "gpu", "detokenize": "cpu"}
+    breakdown = {"prefill": 30.0, "decode": 30.0, "detokenize": 60.0}
+    a = TraceAnalysis(total_ms, breakdown, "detokenize", 0.46, total_ms > 200.0, 200.0, 10.0, kinds)
+    return build_verdict(
+        trace_id="t", root_name="POST /generate", analysis=a, diagnoses=(), signals=TraceSignals(stream=stream),
+        stream_thresholds=StreamThresholds(first_ms, gap_ms),
+    )  # fmt: skip
+
+
+def test_a_stream_is_slow_by_its_first_chunk_or_its_gaps_at_their_thresholds_edges():
+    at_edge = _judged(summary(first_chunk_ms=200.0, gap_p99_ms=100.0))
+    assert not at_edge.slow and at_edge.slow_reason is None  # exactly at both: not over either
+    first = _judged(summary(first_chunk_ms=200.1, gap_p99_ms=100.0))
+    assert (first.slow, first.slow_reason) == (True, c.SLOW_FIRST_CHUNK)
+    assert (first.bottleneck, first.ratio) == ("prefill", pytest.approx(30.0 / 200.1))  # the first chunk's headline
+    gaps = _judged(summary(first_chunk_ms=200.0, gap_p99_ms=100.1))
+    assert (gaps.slow, gaps.slow_reason) == (True, c.SLOW_GAP)
+    assert (gaps.bottleneck, gaps.ratio) == ("detokenize", pytest.approx(0.6))  # the gaps' headline: 60 of 100 ms
+    both = _judged(summary(first_chunk_ms=300.0, gap_p99_ms=150.0))
+    assert both.slow_reason == c.SLOW_FIRST_CHUNK  # the first chunk is what the client waits for first
+    single = _judged(summary(chunks=1, gap_p99_ms=None, first_chunk_ms=20.0))
+    assert not single.slow  # one chunk: no gaps to judge
+    assert (first.first_chunk_threshold_ms, first.gap_threshold_ms) == (200.0, 100.0)
+
+
+def test_a_long_healthy_stream_is_not_slow_however_long_it_lasts():
+    """1,000 chunks at a healthy 20 ms a chunk: 20 s, a hundred times the slow threshold, and not slow."""
+    long = _judged(summary(chunks=1000, first_chunk_ms=40.0, streaming_ms=20_000.0, gap_p99_ms=25.0), total_ms=20_040.0)
+    assert not long.slow and long.slow_reason is None
+    assert long.bottleneck == "detokenize"  # a healthy stream keeps the whole trace's headline
+    response = _judged(None, total_ms=20_040.0)  # the same length not streamed: slow by its total
+    assert (response.slow, response.slow_reason) == (True, c.SLOW_TOTAL)
+
+
+def test_stream_thresholds_per_route_over_the_global_ones(monkeypatch):
+    from stagetrace.analysis.streams import StreamThresholds
+
+    s = stagetrace.Settings(slow_threshold_ms=300.0, route_slow_thresholds_ms={"/chat": 500.0})
+    assert s.stream_thresholds_for("/x") == StreamThresholds(300.0, 100.0)  # the first chunk: the slow threshold
+    assert s.stream_thresholds_for("/chat") == StreamThresholds(500.0, 100.0)
+    s = stagetrace.Settings(
+        stream_first_chunk_threshold_ms=800.0, stream_gap_threshold_ms=40.0,
+        route_first_chunk_thresholds_ms={"/chat": 2000.0}, route_gap_thresholds_ms={"/x": 25.0},
+    )  # fmt: skip
+    assert s.stream_thresholds_for("/chat") == StreamThresholds(2000.0, 40.0)
+    assert s.stream_thresholds_for("/x") == StreamThresholds(800.0, 25.0)
+    assert s.stream_thresholds_for(None) == StreamThresholds(800.0, 40.0)
+    monkeypatch.setenv("STAGETRACE_STREAM_FIRST_CHUNK_MS", "1500")
+    monkeypatch.setenv("STAGETRACE_STREAM_GAP_MS", "60")
+    assert stagetrace.Settings().stream_thresholds_for(None) == StreamThresholds(1500.0, 60.0)
+    monkeypatch.setenv("STAGETRACE_STREAM_GAP_MS", "soon")
+    with pytest.raises(ValueError, match="STAGETRACE_STREAM_GAP_MS"):
+        stagetrace.Settings()
+    monkeypatch.delenv("STAGETRACE_STREAM_GAP_MS")
+    with pytest.raises(ValueError, match="route_gap_thresholds_ms"):
+        stagetrace.Settings(route_gap_thresholds_ms={"/x": 0}).validate()
+
+
+def test_slow_streams_are_judged_kept_logged_and_counted_by_their_phase(make_harness, caplog):
+    """A stream whose gaps are slow, one whose first chunk is, and a long healthy one, through the exporter:
+    the root says why, the keep decision keeps the slow ones only (no healthy share here), the log line says
+    which phase, and the trace duration metric counts them by reason."""
+    import logging
+
+    settings = stagetrace.Settings(
+        healthy_sample=0.0, export_budget_per_s=None, slow_threshold_ms=50.0,
+        route_first_chunk_thresholds_ms={"/first": 15.0}, stream_gap_threshold_ms=8.0,
+    )  # fmt: skip
+    h = make_harness(settings=settings)
+    app = FastAPI()
+
+    def streamed(first_s, gap_s, chunks):
+        def body():
+            with stagetrace.stage("prefill", kind="io"):  # (not cpu: no CPU rule fires, nothing is diagnosed)
+                time.sleep(first_s)
+            for i in range(chunks):
+                if i:
+                    with stagetrace.stage("decode_step", kind="io"):
+                        time.sleep(gap_s)
+                yield f"data: {i}\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    app.get("/gaps")(lambda: streamed(0.0, 0.012, 10))
+    app.get("/first")(lambda: streamed(0.03, 0.001, 10))
+    app.get("/long")(lambda: streamed(0.0, 0.002, 60))  # 120 ms of chunks, over the 50 ms slow threshold
+    stagetrace.instrument_fastapi(app)
+    client = TestClient(app)
+    with caplog.at_level(logging.WARNING, logger="stagetrace"):
+        for path in ("/gaps", "/first", "/long"):
+            client.get(path)
+        verdicts = {v.route: v for v in h.wait_verdicts(3)}
+        h.flush()
+    assert (verdicts["/gaps"].slow_reason, verdicts["/first"].slow_reason) == (c.SLOW_GAP, c.SLOW_FIRST_CHUNK)
+    assert not verdicts["/long"].slow and verdicts["/long"].total_ms > 50.0
+    kept = {r.attributes[c.HTTP_ROUTE]: r.attributes for r in h.roots()}
+    assert set(kept) == {"/gaps", "/first"}
+    assert kept["/gaps"][c.SLOW_REASON] == c.SLOW_GAP and kept["/gaps"][c.STREAM_GAP_THRESHOLD_MS] == 8.0
+    assert (
+        kept["/first"][c.SLOW_REASON] == c.SLOW_FIRST_CHUNK
+        and kept["/first"][c.STREAM_FIRST_CHUNK_THRESHOLD_MS] == 15.0
+    )
+    said = [r.getMessage() for r in caplog.records if "slow stream" in r.getMessage()]
+    assert any(m.startswith("stagetrace: slow stream GET /gaps /gaps: gaps p99 ") and "> 8 ms; bottleneck decode_step"
+               in m for m in said), said  # fmt: skip
+    assert any(m.startswith("stagetrace: slow stream GET /first /first: first chunk ") and "> 15 ms; bottleneck prefill"
+               in m for m in said), said  # fmt: skip
+    assert (verdicts["/gaps"].bottleneck, verdicts["/first"].bottleneck) == ("decode_step", "prefill")
+    points = {
+        (p.attributes[c.HTTP_ROUTE], p.attributes[c.SLOW], p.attributes.get(c.SLOW_REASON)): p.count
+        for p in h.metric_points(c.METRIC_TRACE_DURATION)
+    }
+    assert points == {
+        ("/gaps", True, c.SLOW_GAP): 1,
+        ("/first", True, c.SLOW_FIRST_CHUNK): 1,
+        ("/long", False, None): 1,
+    }
+
+
+def test_the_report_counts_slow_streams_by_their_phase(tmp_path):
+    from otlp_lines import kv, line, span
+    from stagetrace.cli.report import run_report
+
+    def root(i, reason):
+        attrs = {c.TOTAL_MS: 900.0, c.SLOW: reason is not None, c.STREAM_CHUNKS: 20, c.STREAM_FIRST_CHUNK_MS: 10.0}
+        if reason:
+            attrs[c.SLOW_REASON] = reason
+        return line("svc", [span(f"{i:032x}", "a" * 16, "", "GET /g", 0, 900, attrs, kind=2)])
+
+    lines = [root(1, c.SLOW_GAP), root(2, c.SLOW_GAP), root(3, c.SLOW_FIRST_CHUNK), root(4, None)]
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    out = io.StringIO()
+    assert run_report([str(tmp_path / "t.jsonl")], out=out) == 0
+    text = out.getvalue().splitlines()
+    assert text[0] == "stagetrace report: 4 traces, 3 slow (75%)"
+    assert text[1] == "slow by the gaps 2 (50%), the time to the first chunk 1 (25%)"
+    assert kv  # (the helper module's other names)

@@ -260,6 +260,9 @@ def reserved_names() -> dict[str, str]:
         c.CLIENT_DISCONNECTED: "the value of `error.type` on a stream whose client went away",
         c.INSTRUMENTATION_NAME: "the instrumentation scope of stagetrace's spans and metrics",
         c.DIAGNOSIS_EVENT: "the name of the event each diagnosis adds to the local root",
+        c.SLOW_TOTAL: "`stagetrace.slow.reason` of a response slow by its duration",
+        c.SLOW_FIRST_CHUNK: "`stagetrace.slow.reason` of a stream slow by its time to the first chunk",
+        c.SLOW_GAP: "`stagetrace.slow.reason` of a stream slow by its gaps' p99",
     }
 
 

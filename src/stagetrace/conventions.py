@@ -55,6 +55,12 @@ BOTTLENECK_STAGE = "stagetrace.bottleneck.stage"
 BOTTLENECK_RATIO = "stagetrace.bottleneck.ratio"
 SLOW = "stagetrace.slow"
 SLOW_THRESHOLD_MS = "stagetrace.slow_threshold_ms"
+SLOW_REASON = "stagetrace.slow.reason"  # on a slow root: total, first_chunk or gap (conventions.SLOW_REASONS)
+STREAM_FIRST_CHUNK_THRESHOLD_MS = "stagetrace.stream.first_chunk_threshold_ms"  # on a streamed root
+STREAM_GAP_THRESHOLD_MS = "stagetrace.stream.gap_threshold_ms"  # on a streamed root: for its gap p99
+# Why a trace is slow: a response by its total; a streamed one by its first chunk, else by its gaps' p99.
+SLOW_TOTAL, SLOW_FIRST_CHUNK, SLOW_GAP = "total", "first_chunk", "gap"
+SLOW_REASONS = (SLOW_TOTAL, SLOW_FIRST_CHUNK, SLOW_GAP)
 UNTRACKED_MS = "stagetrace.untracked_ms"
 STAGES = "stagetrace.stages"
 STAGES_MS = "stagetrace.stages_ms"
@@ -176,6 +182,9 @@ VERDICT_FIELDS: tuple[tuple[str, str, type, int | None], ...] = (
     ("total_ms", TOTAL_MS, float, 3),
     ("slow", SLOW, bool, None),
     ("slow_threshold_ms", SLOW_THRESHOLD_MS, float, None),
+    ("slow_reason", SLOW_REASON, str, None),
+    ("first_chunk_threshold_ms", STREAM_FIRST_CHUNK_THRESHOLD_MS, float, None),
+    ("gap_threshold_ms", STREAM_GAP_THRESHOLD_MS, float, None),
     ("untracked_ms", UNTRACKED_MS, float, 3),
     ("bottleneck", BOTTLENECK_STAGE, str, None),
     ("ratio", BOTTLENECK_RATIO, float, 4),
@@ -324,8 +333,33 @@ ATTRIBUTE_REFERENCE: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         "the stage with the largest share, or `untracked` when the time in no stage is larger",
     ),
     (BOTTLENECK_RATIO, "double", ("root",), "the bottleneck's share of `stagetrace.total_ms` (0..1)"),
-    (SLOW, "boolean", ("root",), "`stagetrace.total_ms` over the slow threshold"),
+    (
+        SLOW,
+        "boolean",
+        ("root",),
+        "a response: `stagetrace.total_ms` over the slow threshold; a streamed one: its time to the first chunk "
+        "over its threshold, or its gaps' p99 over theirs (not its length)",
+    ),
     (SLOW_THRESHOLD_MS, "double", ("root",), "the slow threshold that applied (global or the route's)"),
+    (
+        SLOW_REASON,
+        "string",
+        ("root",),
+        "on a slow root, what made it slow: `total` (a response's duration), `first_chunk` or `gap` (a streamed "
+        "response's time to the first chunk, else its gaps' p99)",
+    ),
+    (
+        STREAM_FIRST_CHUNK_THRESHOLD_MS,
+        "double",
+        ("root",),
+        "on a streamed root: the time to the first chunk past which it is slow (the route's, else the global)",
+    ),
+    (
+        STREAM_GAP_THRESHOLD_MS,
+        "double",
+        ("root",),
+        "on a streamed root: the gaps' p99 past which it is slow (the route's, else the global)",
+    ),
     (UNTRACKED_MS, "double", ("root",), "root time covered by no stage"),
     (STAGES, "string[]", ("root",), "the breakdown's stage names, in pipeline order"),
     (STAGES_MS, "double[]", ("root",), "the breakdown's milliseconds, in the order of `stagetrace.stages`"),
@@ -462,7 +496,7 @@ ATTRIBUTE_REFERENCE: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
 # INSTRUMENTS), and the attribute keys only metrics carry.
 METRIC_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     METRIC_STAGE_DURATION: (STAGE, STAGE_KIND, HTTP_ROUTE),
-    METRIC_TRACE_DURATION: (HTTP_ROUTE, SLOW),
+    METRIC_TRACE_DURATION: (HTTP_ROUTE, SLOW, SLOW_REASON),
     METRIC_BOTTLENECK: (STAGE,),
     METRIC_DIAGNOSIS: (DIAGNOSIS_CODE,),
     METRIC_GPU_UTILIZATION: (HW_ID,),

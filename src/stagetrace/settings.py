@@ -10,8 +10,13 @@ from typing import Any
 
 from stagetrace._compat import gil_wait_stretch_bound_s
 from stagetrace.analysis import DiagnosisThresholds
+from stagetrace.analysis.streams import StreamThresholds
 
 DEFAULT_SLOW_THRESHOLD_MS = 200.0
+# The gaps' p99 past which a stream is slow: 10 chunks a second at its slowest 1 %, where a reader starts to
+# see a token stream stall (the streaming SLOs vLLM's and SGLang's benchmarks use put time per output token at
+# 50-100 ms; a chunk may carry several tokens, so a gap is at least one token's time)
+DEFAULT_GAP_THRESHOLD_MS = 100.0
 
 # --- fixed bounds and thresholds (module constants: the hot path reads them as globals) --------------------
 MAX_STAGE_NAME_LENGTH = 128  # longer names are cut (names become span names and metric attributes)
@@ -112,6 +117,17 @@ def _positive(value: float) -> bool:
 class Settings:
     slow_threshold_ms: float = DEFAULT_SLOW_THRESHOLD_MS
     route_slow_thresholds_ms: dict[str, float] = field(default_factory=dict)
+    # A streamed response is slow by its phases, not its length (which grows with the answer): its time to the
+    # first chunk over the first-chunk threshold (None: the slow threshold of its route, the same budget as a
+    # whole response's), or its gaps' p99 over the gap threshold; per route over the global ones.
+    stream_first_chunk_threshold_ms: float | None = field(
+        default_factory=lambda: _stream_threshold_from_env("STAGETRACE_STREAM_FIRST_CHUNK_MS")
+    )
+    stream_gap_threshold_ms: float = field(
+        default_factory=lambda: _stream_threshold_from_env("STAGETRACE_STREAM_GAP_MS") or DEFAULT_GAP_THRESHOLD_MS
+    )
+    route_first_chunk_thresholds_ms: dict[str, float] = field(default_factory=dict)
+    route_gap_thresholds_ms: dict[str, float] = field(default_factory=dict)
     thresholds: DiagnosisThresholds = field(default_factory=DiagnosisThresholds)
     max_traces_in_flight: int = 20_000
     trace_ttl_s: float = 300.0
@@ -173,12 +189,23 @@ class Settings:
             return self.route_slow_thresholds_ms[route]
         return self.slow_threshold_ms
 
+    def stream_thresholds_for(self, route: str | None) -> StreamThresholds:
+        first = self.route_first_chunk_thresholds_ms.get(route or "", self.stream_first_chunk_threshold_ms)
+        gap = self.route_gap_thresholds_ms.get(route or "", self.stream_gap_threshold_ms)
+        return StreamThresholds(self.threshold_for(route) if first is None else first, gap)
+
     def validate(self) -> Settings:
         if not self.slow_threshold_ms > 0:
             raise ValueError(f"slow_threshold_ms must be > 0, got {self.slow_threshold_ms!r}")
-        for route, ms in self.route_slow_thresholds_ms.items():
-            if not isinstance(route, str) or not ms > 0:
-                raise ValueError(f"route_slow_thresholds_ms needs str routes and values > 0, got {route!r}: {ms!r}")
+        for name in ("route_slow_thresholds_ms", "route_first_chunk_thresholds_ms", "route_gap_thresholds_ms"):
+            for route, ms in getattr(self, name).items():
+                if not isinstance(route, str) or not isinstance(ms, (int, float)) or not ms > 0:
+                    raise ValueError(f"{name} needs str routes and values > 0, got {route!r}: {ms!r}")
+        first = self.stream_first_chunk_threshold_ms
+        if first is not None and not first > 0:
+            raise ValueError(f"stream_first_chunk_threshold_ms must be > 0 or None, got {first!r}")
+        if not self.stream_gap_threshold_ms > 0:
+            raise ValueError(f"stream_gap_threshold_ms must be > 0, got {self.stream_gap_threshold_ms!r}")
         if not 0.0 <= self.healthy_sample <= 1.0:
             raise ValueError(f"healthy_sample must be between 0 and 1, got {self.healthy_sample!r}")
         if self.export_budget_per_s is not None and not self.export_budget_per_s > 0:
@@ -213,6 +240,13 @@ def output_dir_from_env() -> str:
     return os.environ.get("STAGETRACE_OUTPUT_DIR") or DEFAULT_OUTPUT_DIR
 
 
+def _stream_threshold_from_env(var: str) -> float | None:
+    """``STAGETRACE_STREAM_FIRST_CHUNK_MS`` / ``STAGETRACE_STREAM_GAP_MS``: None when unset."""
+    if not os.environ.get(var, "").strip():
+        return None
+    return _number_from_env(var, 0.0, "a number of milliseconds > 0", _positive)
+
+
 def slow_threshold_from_env(default: float = DEFAULT_SLOW_THRESHOLD_MS) -> float:
     return _number_from_env("STAGETRACE_SLOW_THRESHOLD_MS", default, "a number of milliseconds > 0", lambda v: v > 0)
 
@@ -226,6 +260,17 @@ ENVIRONMENT_REFERENCE: tuple[tuple[str, str, str], ...] = (
         "STAGETRACE_SLOW_THRESHOLD_MS",
         "milliseconds > 0; default 200",
         "the slow threshold; `configure(slow_threshold_ms=...)` wins over it, it wins over `Settings`",
+    ),
+    (
+        "STAGETRACE_STREAM_FIRST_CHUNK_MS",
+        "milliseconds > 0; default: the slow threshold",
+        "a streamed response is slow when its first chunk comes later than this "
+        "(`Settings.stream_first_chunk_threshold_ms`)",
+    ),
+    (
+        "STAGETRACE_STREAM_GAP_MS",
+        "milliseconds > 0; default 100",
+        "... or when the p99 of its gaps between chunks is longer than this (`Settings.stream_gap_threshold_ms`)",
     ),
     (
         "STAGETRACE_DISABLED",
@@ -277,6 +322,11 @@ ENVIRONMENT_REFERENCE: tuple[tuple[str, str, str], ...] = (
 SETTINGS_REFERENCE: dict[str, str] = {
     "slow_threshold_ms": "a trace is slow when its local root lasts longer than this",
     "route_slow_thresholds_ms": "slow thresholds per route (`http.route`), over the global one",
+    "stream_first_chunk_threshold_ms": "a streamed response is slow when its first chunk comes later than this "
+    "(None: the slow threshold of its route)",
+    "stream_gap_threshold_ms": "... or when the p99 of its gaps between chunks is longer than this",
+    "route_first_chunk_thresholds_ms": "first-chunk thresholds per route, over the global one",
+    "route_gap_thresholds_ms": "gap thresholds per route, over the global one",
     "thresholds": "every number the diagnosis rules compare against (`DiagnosisThresholds`)",
     "max_traces_in_flight": "traces held at once; a trace started past it is not tracked (`traces_in_flight`)",
     "trace_ttl_s": "a root that has not ended after this long is evicted (`trace_timeout`)",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from trace_builders import MS, cpu, run
 
 from stagetrace.analysis import BatchInfo, StageSample, TraceSignals
-from stagetrace.analysis.model import ProcessLoad
+from stagetrace.analysis.signals import ProcessLoad
 
 
 def only(found: dict, code: str):

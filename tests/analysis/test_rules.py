@@ -10,7 +10,7 @@ from trace_builders import MS, cpu, run
 from conftest import rules_that_cannot_fire
 from stagetrace.analysis import BatchInfo, DiagnosisThresholds, StageSample, TraceSignals, analyse_trace
 from stagetrace.analysis.diagnosis import ADVICE, RULE_CODES, RULES
-from stagetrace.analysis.model import ProcessLoad
+from stagetrace.analysis.signals import ProcessLoad
 from stagetrace.analysis.streams import StreamSummary
 
 HEALTHY = [cpu("decode", 0, 30, cpu_ms=29, blocked_ms=0.5, runqueue_ms=0.5), cpu("post", 30, 95, cpu_ms=64)]

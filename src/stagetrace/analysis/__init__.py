@@ -4,7 +4,8 @@ so the exporter and `stagetrace report` share one implementation and tests need 
 from stagetrace.analysis.breakdown import TraceAnalysis, analyse_trace, union_length_ns
 from stagetrace.analysis.causes import BlockedCause, blocked_cause
 from stagetrace.analysis.diagnosis import RULES, Diagnosis, DiagnosisRule, diagnose
-from stagetrace.analysis.model import BatchInfo, StageLike, StageSample, TraceSignals, batch_info
+from stagetrace.analysis.model import BatchInfo, StageLike, StageSample, batch_info
+from stagetrace.analysis.signals import ProcessLoad, TraceSignals
 from stagetrace.analysis.thresholds import DiagnosisThresholds
 from stagetrace.analysis.verdict import Verdict, build_verdict
 
@@ -15,6 +16,7 @@ __all__ = [
     "Diagnosis",
     "DiagnosisRule",
     "DiagnosisThresholds",
+    "ProcessLoad",
     "StageLike",
     "StageSample",
     "TraceAnalysis",

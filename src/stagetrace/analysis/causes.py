@@ -8,7 +8,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 
-from stagetrace.analysis.model import StageLike, TraceSignals
+from stagetrace.analysis.model import StageLike
+from stagetrace.analysis.signals import TraceSignals
 from stagetrace.analysis.thresholds import DiagnosisThresholds
 
 # The DiagnosisThresholds fields the blocked-cause classifier reads: every rule that names a cause from it

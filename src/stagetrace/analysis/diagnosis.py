@@ -34,7 +34,8 @@ from stagetrace.analysis.causes import (
     waited_for_cpu,
 )
 from stagetrace.analysis.loopwait import split_blocker
-from stagetrace.analysis.model import NO_SIGNALS, StageLike, TraceSignals, occurrences_ms
+from stagetrace.analysis.model import StageLike, occurrences_ms
+from stagetrace.analysis.signals import NO_SIGNALS, TraceSignals
 from stagetrace.analysis.thresholds import DiagnosisThresholds
 from stagetrace.conventions import EVENT_LOOP_WAIT, GPU_KINDS
 

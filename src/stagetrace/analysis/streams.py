@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from stagetrace.analysis.model import StageLike
+from stagetrace.conventions import SLOW_FIRST_CHUNK, SLOW_GAP
 
 
 class StreamFields(NamedTuple):
@@ -134,6 +135,40 @@ def summarise_stream(
         if gaps
         else None,
     )
+
+
+class StreamThresholds(NamedTuple):
+    """When a streamed response is slow: its time to the first chunk over ``first_chunk_ms``, or the p99 of
+    its gaps between chunks over ``gap_ms`` (the route's, else the global: ``Settings.stream_thresholds_for``)."""
+
+    first_chunk_ms: float
+    gap_ms: float
+
+
+class PhaseJudgement(NamedTuple):
+    """A stream judged by its phases: why it is slow (None: it is not), and the stage its slow phase spent
+    most on with that stage's share of the phase (the verdict's headline)."""
+
+    reason: str | None
+    bottleneck: str | None
+    ratio: float
+
+
+def judge_phases(stream: StreamSummary, thresholds: StreamThresholds) -> PhaseJudgement:
+    """A stream is slow by its time to the first chunk (first) or its gaps' p99, never by its length: a
+    1,000-token answer at a healthy 20 ms a token lasts 20 s. A slow first chunk is headed by the first
+    chunk's bottleneck, slow gaps by the gaps' bottleneck; a healthy stream has no headline of its own."""
+    if stream.first_chunk_ms > thresholds.first_chunk_ms:
+        return _headline(SLOW_FIRST_CHUNK, stream.first_chunk_breakdown, stream.first_chunk_ms)
+    if stream.gap_p99_ms is not None and stream.gap_p99_ms > thresholds.gap_ms:
+        return _headline(SLOW_GAP, stream.gap_breakdown, stream.streaming_ms)
+    return PhaseJudgement(None, None, 0.0)
+
+
+def _headline(reason: str, breakdown: Mapping[str, float], phase_ms: float) -> PhaseJudgement:
+    name = largest(breakdown)
+    ratio = min(1.0, breakdown[name] / phase_ms) if name is not None and phase_ms > 0 else 0.0
+    return PhaseJudgement(reason, name, ratio)
 
 
 class GenAiLatencies(NamedTuple):

@@ -8,9 +8,9 @@ from typing import Any
 
 from stagetrace.analysis.breakdown import TraceAnalysis
 from stagetrace.analysis.diagnosis import Diagnosis
-from stagetrace.analysis.model import ProcessLoad, TraceSignals
-from stagetrace.analysis.streams import StreamSummary
-from stagetrace.conventions import UNTRACKED
+from stagetrace.analysis.signals import ProcessLoad, TraceSignals
+from stagetrace.analysis.streams import StreamSummary, StreamThresholds, judge_phases
+from stagetrace.conventions import SLOW_TOTAL, UNTRACKED
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +32,11 @@ class Verdict:
     slow_threshold_ms: float
     untracked_ms: float
     diagnoses: tuple[Diagnosis, ...] = ()
+    # why it is slow (conventions.SLOW_REASONS: total for a response, first_chunk or gap for a stream); None
+    # when it is not
+    slow_reason: str | None = None
+    first_chunk_threshold_ms: float | None = None  # a streamed response's thresholds (StreamThresholds)
+    gap_threshold_ms: float | None = None
     route: str | None = None
     gpu_utilization: float | None = None
     sampled: bool = True
@@ -73,15 +78,33 @@ def build_verdict(
     sampled: bool = True,
     delayed_requests: int | None = None,
     gen_ai: Mapping[str, Any] | None = None,
+    stream_thresholds: StreamThresholds | None = None,
 ) -> Verdict:
+    """``stream_thresholds``: how a streamed response (``signals.stream``) is judged slow, by its phases and
+    not its length; without them, or for a response not streamed, by its total (``analysis.slow``)."""
+    stream = signals.stream if signals else None
+    bottleneck, ratio = analysis.bottleneck, analysis.ratio
+    if stream is not None and stream_thresholds is not None:
+        phases = judge_phases(stream, stream_thresholds)
+        slow, reason = phases.reason is not None, phases.reason
+        if phases.bottleneck is not None:
+            bottleneck, ratio = phases.bottleneck, phases.ratio
+        thresholds: dict[str, Any] = {
+            "first_chunk_threshold_ms": stream_thresholds.first_chunk_ms,
+            "gap_threshold_ms": stream_thresholds.gap_ms,
+        }
+    else:
+        slow, reason, thresholds = analysis.slow, (SLOW_TOTAL if analysis.slow else None), {}
     return Verdict(
         trace_id=trace_id,
         root_name=root_name,
         total_ms=analysis.total_ms,
         breakdown=analysis.breakdown,
-        bottleneck=analysis.bottleneck,
-        ratio=analysis.ratio,
-        slow=analysis.slow,
+        bottleneck=bottleneck,
+        ratio=ratio,
+        slow=slow,
+        slow_reason=reason,
+        **thresholds,
         slow_threshold_ms=analysis.slow_threshold_ms,
         untracked_ms=analysis.untracked_ms,
         diagnoses=diagnoses,
@@ -95,7 +118,7 @@ def build_verdict(
         delayed_requests=delayed_requests,
         sampled=sampled,
         stage_kinds=analysis.stage_kinds,
-        stream=signals.stream if signals else None,
+        stream=stream,
         gen_ai=gen_ai or None,
         **_load_fields(signals.load if signals else None),
     )

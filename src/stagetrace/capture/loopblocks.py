@@ -13,7 +13,6 @@ from typing import Any
 
 from opentelemetry.trace import get_current_span
 
-from stagetrace import _state
 from stagetrace.capture.monitors import DrainQueue
 from stagetrace.conventions import DELAYED_REQUESTS
 from stagetrace.settings import MAX_WORKER_RUNS
@@ -36,10 +35,11 @@ def note_loop_block(rt: Any, rec: Any, end_ns: int) -> None:
     rt.loop_blocks.put((rec.start_ns, end_ns, thread, rec.trace_id, rec.name))
 
 
-def note_worker_run(started_ns: int) -> None:
+def note_worker_run(rt: Any, started_ns: int) -> None:
     """On a worker thread, after a request's function ran there: the request was busy with its own work
-    from ``started_ns`` to now, not waiting for its loop (it may have no stage of its own there)."""
-    rt = _state.runtime
+    from ``started_ns`` to now, not waiting for its loop (it may have no stage of its own there). ``rt``:
+    the runtime (None: not configured), passed in so that this module, which the runtime imports, does not
+    import the runtime's holder."""
     if rt is None:
         return
     trace = rt.lookup_trace(get_current_span().get_span_context().trace_id)

@@ -239,6 +239,7 @@ class ExporterCore:
             sampled=bool(t.flags & 1),
             delayed_requests=_delayed_requests(analysed),
             gen_ai=generative(t.gen_ai, attrs),
+            stream_thresholds=self.settings.stream_thresholds_for(route) if t.stream is not None else None,
         )
         errored = (
             root.status_code == _ERROR
@@ -474,21 +475,29 @@ class ExporterCore:
         replay(self.metrics, [(str(m), tuple(a)) for m, a in calls])
 
     def _log_slow(self, v: Verdict) -> None:
+        """One line a slow trace: what made it slow (its duration, or a stream's first chunk or gaps), its
+        headline and its diagnoses."""
         where = f" {v.route}" if v.route else ""
+        stream = v.stream
+        if v.slow_reason == c.SLOW_FIRST_CHUNK and stream is not None:
+            what = f"slow stream %s%s: first chunk {stream.first_chunk_ms:.1f} ms > {v.first_chunk_threshold_ms:.0f} ms"
+            headline_ms = stream.first_chunk_breakdown.get(v.bottleneck or "", 0.0)
+        elif v.slow_reason == c.SLOW_GAP and stream is not None:
+            what = f"slow stream %s%s: gaps p99 {stream.gap_p99_ms or 0.0:.1f} ms > {v.gap_threshold_ms:.0f} ms"
+            headline_ms = stream.gap_breakdown.get(v.bottleneck or "", 0.0)
+        else:
+            what = f"slow trace %s%s {v.total_ms:.1f} ms > {v.slow_threshold_ms:.0f} ms"
+            headline_ms = v.bottleneck_ms
         bottleneck = (
-            f"bottleneck {v.bottleneck} {v.ratio:.0%} ({v.bottleneck_ms:.1f} ms)"
-            if v.bottleneck
-            else "no stages recorded"
+            f"bottleneck {v.bottleneck} {v.ratio:.0%} ({headline_ms:.1f} ms)" if v.bottleneck else "no stages recorded"
         )
         codes = f"; diagnosis {', '.join(v.diagnosis_codes)}" if v.diagnoses else ""
         self._slow_log.log(
             logging.WARNING,
             "slow-trace",
-            "stagetrace: slow trace %s%s %.1f ms > %.0f ms; %s%s; trace_id=%s",
+            f"stagetrace: {what}; %s%s; trace_id=%s",
             v.root_name,
             where,
-            v.total_ms,
-            v.slow_threshold_ms,
             bottleneck,
             codes,
             v.trace_id,

@@ -31,6 +31,7 @@ FILL_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 
 Exemplar = tuple[int, int]  # (trace id, span id) of a kept trace's root
 Key = tuple[tuple[str, Any], ...]  # a point's attributes as (name, value) pairs, hashable
+_HEALTHY: Key = ((c.SLOW, False),)  # a trace's duration point when it was not slow (a slow one says why)
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,8 @@ class ContractMetrics:
             )
             for name, ms in verdict.breakdown.items()
         ]
-        trace_key: Key = ((c.SLOW, verdict.slow), (c.HTTP_ROUTE, route)) if route else ((c.SLOW, verdict.slow),)
+        slow: Key = ((c.SLOW, True), (c.SLOW_REASON, verdict.slow_reason or c.SLOW_TOTAL)) if verdict.slow else _HEALTHY
+        trace_key: Key = (*slow, (c.HTTP_ROUTE, route)) if route else slow
         observations.append((TRACE_DURATION, trace_key, verdict.total_ms, exemplar))
         additions: list[Addition] = [(DIAGNOSIS, ((c.DIAGNOSIS_CODE, d.code),), 1) for d in verdict.diagnoses]
         if bottleneck is not None:

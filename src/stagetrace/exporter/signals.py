@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from stagetrace.analysis.loopwait import LoopBlock
-from stagetrace.analysis.model import ProcessLoad
+from stagetrace.analysis.signals import ProcessLoad
 from stagetrace.common.schedstat import not_gil_ms, schedstat_delta
 from stagetrace.settings import GIL_MIN_SAMPLES, MIN_CPU_ACCOUNTED_NS
 

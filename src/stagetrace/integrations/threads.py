@@ -87,7 +87,7 @@ def timed_wait(fn: Any, name: str, saturated: bool | None, min_ns: int | None = 
         try:
             return fn(*a, **k)
         finally:
-            note_worker_run(started)
+            note_worker_run(_state.runtime, started)
 
     return timed
 

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 from stagetrace.analysis import Verdict
 from stagetrace.analysis.diagnosis import ADVICE
 from stagetrace.analysis.streams import StreamSummary
+from stagetrace.conventions import SLOW_TOTAL
 from stagetrace.report.sketch import QuantileSketch
 
 
@@ -172,6 +173,7 @@ class Aggregator:
         self.requests: float = 0  # their weights' sum: the requests they stand for
         self.slow_traces = 0
         self.slow_requests: float = 0
+        self.slow_reasons = Tally()  # what made them slow: a response's total, a stream's first chunk or gaps
         self.counted: Counted | None = None
         self.stages: dict[str, StageSummary] = {}
         self.bottlenecks = Tally()
@@ -194,6 +196,7 @@ class Aggregator:
         if verdict.slow:
             self.slow_traces += 1
             self.slow_requests += weight
+            self.slow_reasons[verdict.slow_reason or SLOW_TOTAL] += weight
         self.total.add(verdict.total_ms, weight)
         total = verdict.total_ms or 0.0
         for name, ms in verdict.breakdown.items():
@@ -239,6 +242,7 @@ class Aggregator:
         self.requests += other.requests
         self.slow_traces += other.slow_traces
         self.slow_requests += other.slow_requests
+        self.slow_reasons.add_all(other.slow_reasons)
         if other.counted is not None:
             mine = self.counted or Counted(0, 0)
             self.counted = Counted(mine.requests + other.counted.requests, mine.slow + other.counted.slow)
@@ -306,6 +310,7 @@ class Aggregator:
             # what the kept traces stand for (their adjusted counts): every count below is weighted so
             "requests": as_count(self.requests),
             "slow_requests": as_count(self.slow_requests),
+            "slow_reasons": counts(self.slow_reasons),
             "sampled": self.requests != self.traces,
             "counted": None if self.counted is None else {"requests": self.counted.requests, "slow": self.counted.slow},
             "total_ms": {

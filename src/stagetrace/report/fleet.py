@@ -167,6 +167,7 @@ def verdicts_sql(source: Source, filters: Filters) -> str:
     return f"""SELECT TraceId AS trace_id, {group_expression(filters)} AS grp,
   if({total} != 0, {total}, Duration / 1e6) AS total,
   {_attr(c.SLOW)} = 'true' AS slow,
+  {_attr(c.SLOW_REASON)} AS slow_reason,
   JSONExtract({_attr(c.STAGES)}, 'Array(String)') AS names_all,
   JSONExtract({_attr(c.STAGES_MS)}, 'Array(Float64)') AS values_all,
   least(length(names_all), length(values_all)) AS n_stages,
@@ -211,7 +212,7 @@ def facts_sql(source: Source, filters: Filters, sketch: QuantileSketch, *, batch
     share = "if(total > 0, least(1., ms / total), 0.)"
     verdict_facts = f"""SELECT grp, trace_id, w, arrayJoin(arrayConcat(
     [{_fact("trace", EMPTY, "total")}],
-    if(slow, [{_fact("slow", EMPTY, "total")}], []),
+    if(slow, [{_fact("slow", "slow_reason", "total")}], []),
     if(isNull(gpu), [], [{_fact("gpu", EMPTY, "assumeNotNull(gpu)")}]),
     if(bottleneck = '', [], [{_fact("bottleneck", "bottleneck", "total")}]),
     arrayMap(x -> {_fact("diagnosis", "x", "total", example=f"(trace_id, {message})")}, codes),
@@ -389,6 +390,7 @@ def fold_facts(rows: Iterable[FactRow], groups: dict[str, GroupReport] | None = 
         elif f.fact == "slow":
             agg.slow_traces += f.kept
             agg.slow_requests += f.n
+            agg.slow_reasons[f.name or c.SLOW_TOTAL] += f.n  # before the reasons: by its total
         elif f.fact == "gpu":
             agg.gpu_utilization.add_bucket(bucket)
         elif f.fact == "stage":

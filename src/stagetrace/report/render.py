@@ -63,6 +63,20 @@ def counts_line(summary: Mapping[str, Any]) -> str:
     return line
 
 
+SLOW_REASON_LABELS = {"total": "its duration", "first_chunk": "the time to the first chunk", "gap": "the gaps"}
+
+
+def slow_reasons_line(summary: Mapping[str, Any]) -> str | None:
+    """What made the slow ones slow, where streams are among them: a response by its duration, a stream by
+    its time to the first chunk or its gaps (never by its length)."""
+    reasons = summary.get("slow_reasons") or {}
+    if not reasons or set(reasons) == {"total"}:
+        return None
+    n = _weighted(summary)
+    parts = [f"{SLOW_REASON_LABELS.get(r, r)} {_n(count)} ({count / n:.0%})" for r, count in reasons.items()]
+    return "slow by " + ", ".join(parts)
+
+
 def text_report(
     summary: dict[str, Any], title: str = "stagetrace", groups: Mapping[str, dict[str, Any]] | None = None
 ) -> str:
@@ -71,6 +85,9 @@ def text_report(
         return f"{title}: no traces"
     n = _weighted(summary)
     out = [f"{title}: {counts_line(summary)}"]
+    reasons = slow_reasons_line(summary)
+    if reasons:
+        out.append(reasons)
     t = summary["total_ms"]
     out.append(f"request latency: p50 {t['p50']:.1f} ms, p95 {t['p95']:.1f} ms, p99 {t['p99']:.1f} ms")
     if "gpu_utilization" in summary:
@@ -407,6 +424,9 @@ def html_report(
     body += [f'<div class="kpi" data-kpi="{_esc(k)}">{_esc(k)}<b>{_esc(v)}</b></div>' for k, v in kpis]
     body.append("</div>")
     body.append(f'<p class="counts">{_esc(counts_line(summary))}</p>')
+    reasons = slow_reasons_line(summary)
+    if reasons:
+        body.append(f'<p class="slow-reasons">{_esc(reasons)}</p>')
     legend = "".join(f'<span style="background:{c}"></span>{k}' for k, c in KIND_COLORS.items() if k != "span")
     body.append(f'<p class="legend">stage kinds:{legend}</p>')
     body.append("<h2>Stage breakdown (mean share of request time)</h2>")

@@ -22,11 +22,12 @@ from stagetrace.analysis import (
     diagnose,
 )
 from stagetrace.analysis.diagnosis import ADVICE
-from stagetrace.analysis.model import CompressedInfo, ProcessLoad
-from stagetrace.analysis.streams import StreamSummary, largest, split_phases
+from stagetrace.analysis.model import CompressedInfo
+from stagetrace.analysis.signals import ProcessLoad
+from stagetrace.analysis.streams import StreamSummary, StreamThresholds, largest, split_phases
 from stagetrace.exporter.spans import batch_from_attributes
 from stagetrace.report.loader import Span
-from stagetrace.settings import DEFAULT_SLOW_THRESHOLD_MS
+from stagetrace.settings import DEFAULT_GAP_THRESHOLD_MS, DEFAULT_SLOW_THRESHOLD_MS
 
 
 def global_root(spans: list[Span]) -> Span:
@@ -206,7 +207,15 @@ def verdict_for_trace(
         route=route if isinstance(route, str) else None,
         signals=signals,
         gen_ai=_gen_ai(root.attributes),
+        stream_thresholds=_stream_thresholds(root.attributes, threshold) if stream else None,
     )
+
+
+def _stream_thresholds(attributes: dict[str, Any], slow_threshold_ms: float) -> StreamThresholds:
+    """Those the exporter judged the stream by (on its root), else the defaults."""
+    first = _float(attributes.get(c.STREAM_FIRST_CHUNK_THRESHOLD_MS))
+    gap = _float(attributes.get(c.STREAM_GAP_THRESHOLD_MS))
+    return StreamThresholds(first or slow_threshold_ms, gap or DEFAULT_GAP_THRESHOLD_MS)
 
 
 def adjusted_count(spans: list[Span]) -> float:
