@@ -37,6 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--html", metavar="FILE", help="also write a self-contained HTML page")
     report.add_argument("--slow-threshold-ms", type=float, default=DEFAULT_SLOW_THRESHOLD_MS)
     report.add_argument("--route", help="only traces whose root has this http.route")
+    report.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("BEFORE", "AFTER"),
+        help="before and after, per stage with 95 %% intervals: two files or directories; with --clickhouse, two "
+        "windows SINCE..UNTIL (either side may be empty: 2h..1h, 2026-12-01..) or, with --group-by, two values",
+    )
+    report.add_argument("--resamples", type=_positive_int, default=1000, help="bootstrap resamples of --compare")
     report.add_argument("--since", help="roots from this time: 90m, 24h, 7d (before now), 2026-11-30T12:00Z, epoch s")
     report.add_argument("--until", help="roots before this time (same forms as --since)")
     fleet = report.add_argument_group(
@@ -76,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from stagetrace.cli.report import run_clickhouse_report, run_report
+    from stagetrace.cli.report import run_clickhouse_compare, run_clickhouse_report, run_compare, run_report
 
     common = {
         "as_json": args.json,
@@ -90,11 +98,26 @@ def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         given = [f"--{name.replace('_', '-')}" for name in CLICKHOUSE_ONLY if getattr(args, name) is not None]
         if given:
             parser.error(f"only with --clickhouse: {', '.join(given)}")
+        if args.compare:
+            if args.paths:
+                parser.error("report: --compare BEFORE AFTER takes the two sides itself, no other paths")
+            return run_compare(*args.compare, resamples=args.resamples, **common)
         if not args.paths:
             parser.error("report: give trace files or directories, or --clickhouse URL")
         return run_report(args.paths, **common)
     if args.paths:
         parser.error("report: give trace files or --clickhouse URL, not both")
+    if args.compare:
+        return run_clickhouse_compare(
+            args.clickhouse,
+            *args.compare,
+            database=args.database,
+            table=args.traces_table,
+            service=args.service,
+            group_by=args.group_by,
+            resamples=args.resamples,
+            **common,
+        )
     return run_clickhouse_report(
         args.clickhouse,
         database=args.database,

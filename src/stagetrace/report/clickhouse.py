@@ -23,13 +23,15 @@ from datetime import datetime, timezone
 from typing import Any, Protocol, TextIO
 
 from stagetrace.report.aggregate import Aggregator, StreamsSummary
-from stagetrace.report.collect import add_trace
+from stagetrace.report.collect import add_trace, judge_trace, trace_facts
+from stagetrace.report.compare import Side, TraceFacts
 from stagetrace.report.fleet import (
     Census,
     Filters,
     GroupReport,
     Source,
     StagePlaces,
+    VerdictRow,
     candidate_tables_sql,
     census_from_row,
     census_sql,
@@ -42,11 +44,12 @@ from stagetrace.report.fleet import (
     recompute_sql,
     slowest_sql,
     spans_sql,
+    verdicts_sql,
 )
 from stagetrace.report.loader import Span
 from stagetrace.report.otel_schema import exporter_rows, schema_problems, span_from_row
 from stagetrace.report.sketch import QuantileSketch
-from stagetrace.report.traces import global_root, verdict_for_trace, waterfall
+from stagetrace.report.traces import adjusted_count, global_root, verdict_for_trace, waterfall
 from stagetrace.settings import DEFAULT_SLOW_THRESHOLD_MS
 
 EXTRA = "clickhouse"
@@ -304,6 +307,36 @@ def aggregate_clickhouse(
     if streamed:
         report.notes.append("streamed responses are summarised by the file report only (no stream section here)")
     return report
+
+
+def facts_from_clickhouse(
+    conn: Connection,
+    source: Source,
+    filters: Filters,
+    group: str | None = None,
+    slow_threshold_ms: float = DEFAULT_SLOW_THRESHOLD_MS,
+    err: TextIO | None = None,
+    max_traces: int = 20_000,
+) -> Side:
+    """One side of a comparison: each trace's facts, from its stored verdict (one row a trace) or, where it
+    has none on its root, from its spans; ``group``: only traces of that value of ``filters.group_by``."""
+    err = err or sys.stderr
+    check_table(conn, source)
+    side = Side(max_traces=max_traces)
+    for raw in rows(conn, verdicts_sql(source, filters)):
+        row = VerdictRow(*raw)
+        if group is not None and str(row.grp or "") != group:
+            continue
+        stages = {str(n): float(v) for n, v in zip(row.names, row.values)}
+        codes = tuple(str(code) for code in row.codes or ())
+        side.add(TraceFacts(float(row.total), stages, str(row.bottleneck) or None, codes, float(row.w)))
+    for spans, group_of in _traces(rows(conn, recompute_sql(source, filters))):
+        if group is not None and group_of.get(global_root(spans).span_id, "") != group:
+            continue
+        verdict = judge_trace(spans, slow_threshold_ms, err, filters.route)
+        if verdict is not None:
+            side.add(trace_facts(verdict, adjusted_count(spans)))
+    return side
 
 
 def _best_examples(groups: dict[str, GroupReport]) -> dict[str, tuple[float, str, str]]:

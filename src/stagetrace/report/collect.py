@@ -10,6 +10,7 @@ from typing import NamedTuple, TextIO
 
 from stagetrace.analysis import Verdict
 from stagetrace.report.aggregate import Aggregator
+from stagetrace.report.compare import Side, TraceFacts
 from stagetrace.report.loader import Span, read_traces
 from stagetrace.report.metric_totals import TraceCounts
 from stagetrace.report.traces import (
@@ -43,6 +44,28 @@ class Window(NamedTuple):
 ALL_TIME = Window()
 
 
+def judge_trace(
+    spans: list[Span],
+    slow_threshold_ms: float,
+    err: TextIO,
+    route: str | None = None,
+    *,
+    window: Window = ALL_TIME,
+) -> Verdict | None:
+    """One trace's verdict; None when it is not a request to count: outside the window, a batch's own
+    trace, another route, or a trace the analysis could not judge (reported on ``err``)."""
+    try:
+        if not window.open and not window.holds(global_root(spans).start_ns):
+            return None
+        if is_batch_trace(spans):
+            return None
+        verdict = verdict_for_trace(spans, slow_threshold_ms)
+    except Exception as e:  # one odd trace must not stop the report
+        print(f"stagetrace report: trace {spans[0].trace_id}: skipped ({type(e).__name__}: {e})", file=err)
+        return None
+    return None if route is not None and verdict.route != route else verdict
+
+
 def add_trace(
     agg: Aggregator,
     spans: list[Span],
@@ -53,21 +76,17 @@ def add_trace(
     batches: bool = True,
     window: Window = ALL_TIME,
 ) -> Verdict | None:
-    """Judge one trace and count it, weighted by its adjusted count; returns its verdict, None when it was
-    not counted (outside the window, a batch's own trace, another route, or a trace the analysis could not
-    judge: reported on ``err``)."""
+    """Judge one trace and count it, weighted by its adjusted count (a batch's own trace counted as a batch
+    execution, unless ``batches`` is False); returns its verdict, None when it was not counted."""
     try:
-        if not window.open and not window.holds(global_root(spans).start_ns):
+        if batches and (window.open or window.holds(global_root(spans).start_ns)) and is_batch_trace(spans):
+            agg.add_batch(*batch_execution(spans))
             return None
-        if is_batch_trace(spans):
-            if batches:
-                agg.add_batch(*batch_execution(spans))
-            return None
-        verdict = verdict_for_trace(spans, slow_threshold_ms)
     except Exception as e:  # one odd trace must not stop the report
         print(f"stagetrace report: trace {spans[0].trace_id}: skipped ({type(e).__name__}: {e})", file=err)
         return None
-    if route is not None and verdict.route != route:
+    verdict = judge_trace(spans, slow_threshold_ms, err, route, window=window)
+    if verdict is None:
         return None
     for wait in batch_waits(spans):
         agg.add_batch_wait(*wait)
@@ -100,3 +119,29 @@ def aggregate_files(
     if window.open:
         agg.counted = totals.counted(route)
     return agg, counts
+
+
+def trace_facts(verdict: Verdict, weight: float) -> TraceFacts:
+    return TraceFacts(verdict.total_ms, dict(verdict.breakdown), verdict.bottleneck, verdict.diagnosis_codes, weight)
+
+
+def facts_from_files(
+    paths: list[str],
+    slow_threshold_ms: float = DEFAULT_SLOW_THRESHOLD_MS,
+    err: TextIO | None = None,
+    route: str | None = None,
+    *,
+    window: Window = ALL_TIME,
+    max_traces: int = 20_000,
+) -> tuple[Side, dict[str, int]]:
+    """One side of a comparison from trace files: each request's facts (batch executions left out), at most
+    ``max_traces`` of them (a uniform sample beyond)."""
+    errors = err or sys.stderr
+    side = Side(max_traces=max_traces)
+
+    def on_trace(spans: list[Span]) -> None:
+        verdict = judge_trace(spans, slow_threshold_ms, errors, route, window=window)
+        if verdict is not None:
+            side.add(trace_facts(verdict, adjusted_count(spans)))
+
+    return side, read_traces(paths, on_trace, errors=errors)

@@ -182,6 +182,26 @@ FROM {source.sql}
 {_where(_has(c.TOTAL_MS), "ParentSpanId = ''", _conditions(filters), route, f"TraceId NOT IN ({nested})")}"""
 
 
+class VerdictRow(NamedTuple):
+    """A row of ``verdicts_sql``, its columns in order."""
+
+    trace_id: str
+    grp: str
+    total: float
+    slow: bool
+    slow_reason: str
+    names_all: list[str]
+    values_all: list[float]
+    n_stages: int
+    names: list[str]
+    values: list[float]
+    bottleneck: str
+    w: float
+    gpu: float | None
+    codes: list[str]
+    diagnosis_events: list[Any]
+
+
 EMPTY = "''"
 FACT_TYPE = "Tuple(String, String, Float64, Float64, UInt8, UInt32, Tuple(String, String))"
 

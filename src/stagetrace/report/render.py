@@ -488,3 +488,98 @@ def html_report(
         f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{_esc(title)}</title>'
         f"<style>{CSS}</style></head><body>{''.join(body)}</body></html>"
     )
+
+
+# --- before and after (stagetrace report --compare) ----------------------------------------------------------
+
+
+def _signed(value: float | None, unit: str = "", digits: int = 2) -> str:
+    return "-" if value is None else f"{value:+.{digits}f}{unit}"
+
+
+def _plain(value: float | None, unit: str = "", digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def _verdict(row: Mapping[str, Any]) -> str:
+    if row["interval_95"] is None:
+        return "-"
+    return "significant" if row["significant"] else "within noise"
+
+
+def _ms_rows(rows: Mapping[str, Mapping[str, Any]], label: str) -> list[list[str]]:
+    out = []
+    for figure, r in rows.items():
+        interval = r["interval_95"]
+        relative = f" ({r['change'] / r['before']:+.0%})" if r["change"] is not None and r["before"] else ""
+        out.append(
+            [
+                f"{label} {figure}".strip(),
+                _plain(r["before"]),
+                _plain(r["after"]),
+                _signed(r["change"]) + relative,
+                "-" if interval is None else f"[{interval[0]:+.2f}, {interval[1]:+.2f}]",
+                _verdict(r),
+            ]
+        )
+    return out
+
+
+def _share_rows(rows: Mapping[str, Mapping[str, Any]]) -> list[list[str]]:
+    out = []
+    for name, r in rows.items():
+        interval = r["interval_95"]
+        out.append(
+            [
+                name,
+                _plain(None if r["before"] is None else 100 * r["before"], " %", 0),
+                _plain(None if r["after"] is None else 100 * r["after"], " %", 0),
+                _signed(None if r["change"] is None else 100 * r["change"], " pts", 0),
+                "-" if interval is None else f"[{100 * interval[0]:+.0f}, {100 * interval[1]:+.0f}] pts",
+                _verdict(r),
+            ]
+        )
+    return out
+
+
+COMPARE_HEADERS = ["", "before", "after", "change", "95 % interval", ""]
+
+
+def before_after_sections(summary: Mapping[str, Any]) -> list[tuple[str, str, list[list[str]]]]:
+    """(id, title, rows) of each table of a comparison's ``--json`` summary."""
+    stage_rows = [row for name, figures in summary["stages"].items() for row in _ms_rows(figures, name)]
+    return [
+        ("compare-latency", "Request latency (ms)", _ms_rows(summary["latency_ms"], "request")),
+        ("compare-stages", "Stages (ms per request that ran them)", stage_rows),
+        ("compare-bottlenecks", "Bottleneck (share of requests)", _share_rows(summary["bottleneck_share"])),
+        ("compare-diagnoses", "Diagnoses (share of requests)", _share_rows(summary["diagnosis_rate"])),
+    ]
+
+
+def _compare_title(summary: Mapping[str, Any]) -> str:
+    b, a = summary["before"], summary["after"]
+    return (
+        f"{b['label']} ({b['traces']} traces) against {a['label']} ({a['traces']} traces); 95 % intervals from "
+        f"{summary['resamples']} bootstrap resamples, significant where the family-wise interval excludes no "
+        "change"
+    )
+
+
+def before_after_text(summary: Mapping[str, Any], title: str = "stagetrace report --compare") -> str:
+    out = [f"{title}: {_compare_title(summary)}"]
+    for _, heading, rows in before_after_sections(summary):
+        if rows:
+            out += ["", heading, _table(COMPARE_HEADERS, rows, "lrrrrl")]
+    return "\n".join(out)
+
+
+def before_after_html(summary: Mapping[str, Any], title: str = "stagetrace report --compare") -> str:
+    body = [f"<h1>{_esc(title)}</h1>", f'<p class="counts">{_esc(_compare_title(summary))}</p>']
+    for table_id, heading, rows in before_after_sections(summary):
+        if rows:
+            body.append(f"<h2>{_esc(heading)}</h2>")
+            body.append(_html_table(table_id, COMPARE_HEADERS, rows))
+    return (
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{_esc(title)}</title>'
+        f"<style>{CSS}</style></head><body>{''.join(body)}</body></html>"
+    )
