@@ -19,7 +19,7 @@ import stagetrace
 from scenarios.corpus import busy
 from servers import exported_spans, own_process_server
 from stagetrace import conventions as c
-from stagetrace.analysis.loopwait import LoopBlock, request_arrival
+from stagetrace.analysis.loopwait import Arrival, LoopBlock, blocker_entry, request_arrival, split_blocker
 from stagetrace.capture.arrival import TASK_ARRIVAL, arrival_factory, ensure_task_factory, take_arrival
 
 MS = 1_000_000
@@ -48,6 +48,32 @@ def test_without_a_reading_adjacent_blocks_bound_the_arrival_and_nothing_is_gues
     assert arrival.bound_ns == 90 * MS  # back to a's start: each block ended within 2 ms of the next
     far = request_arrival(100 * MS, -1, [block(10, 50, 2)], 1, adjacent_ns=2 * MS)
     assert far.bound_ns is None  # the loop was free for 50 ms before the task: no wait to bound
+
+
+def test_the_arrivals_edges_each_on_its_side():
+    """Exactly at each boundary: a block that starts as the task is created, a block that ends as the bytes
+    came, a reading of 0 ms, a gap of exactly ``adjacent_ns`` between blocks, and nested blocks."""
+    arrival = request_arrival
+    # a block that began as the task was created held nothing the request waited on
+    assert arrival(100 * MS, 30, [block(100, 130, 2)], 1, adjacent_ns=2 * MS) == Arrival(100 * MS)
+    # a block that ended exactly as the bytes came (70 ms) did not keep the loop from reading them
+    assert arrival(100 * MS, 30, [block(50, 70, 2)], 1, adjacent_ns=2 * MS) == Arrival(100 * MS)
+    assert arrival(100 * MS, 30, [block(50, 70.001, 2)], 1, adjacent_ns=2 * MS) == Arrival(70 * MS)
+    # a reading of 0 ms is a reading: the bytes came as the task was made, no bound is guessed
+    assert arrival(100 * MS, 0, [block(60, 99.5, 2)], 1, adjacent_ns=2 * MS) == Arrival(100 * MS)
+    # a gap of exactly adjacent_ns still chains the blocks; one a nanosecond longer does not
+    chained = [block(40, 60, 2), block(62, 98, 3)]
+    assert arrival(100 * MS, -1, chained, 1, adjacent_ns=2 * MS) == Arrival(100 * MS, 60 * MS)
+    broken = [block(40, 60, 2), LoopBlock(62 * MS + 1, 98 * MS, 7, 3, "decode")]
+    assert arrival(100 * MS, -1, broken, 1, adjacent_ns=2 * MS) == Arrival(100 * MS, 38 * MS - 1)
+    # a block inside a longer one (two loops' records merged) leaves the longer one's start as the bound
+    nested = [block(10, 99, 2), block(50, 98, 3)]
+    assert arrival(100 * MS, -1, nested, 1, adjacent_ns=2 * MS) == Arrival(100 * MS, 90 * MS)
+
+
+def test_a_blocker_entrys_stage_name_may_hold_an_at_sign():
+    entry = blocker_entry("fetch@v2", "00ab")
+    assert split_blocker(entry) == ("fetch@v2", "00ab")
 
 
 # --- the factory on a real loop ------------------------------------------------------------------------------

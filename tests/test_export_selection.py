@@ -22,6 +22,7 @@ from stagetrace.destinations.env import (
     Selection,
     metric_readers,
     metric_selection,
+    parse_environ,
     set_since_start,
     span_exporters,
     span_selection,
@@ -212,3 +213,43 @@ def test_the_starting_environment_is_what_the_process_began_with():
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == ["yes", False]
     assert starting_environment() is not None  # Linux: /proc/self/environ
+
+
+def test_the_environ_files_entries_are_split_on_nuls_and_their_first_equals_sign():
+    raw = b"OTEL_RESOURCE_ATTRIBUTES=a=1,b=2\0EMPTY=\0NO_SIGN\0PATH=/usr/bin\0"
+    assert parse_environ(raw) == {"OTEL_RESOURCE_ATTRIBUTES": "a=1,b=2", "EMPTY": "", "PATH": "/usr/bin"}
+    assert parse_environ(b"") == {}
+    assert parse_environ("CAF\u00c9=\u00e9t\u00e9\0".encode()) == {"CAF\u00c9": "\u00e9t\u00e9"}
+
+
+def test_without_a_starting_environment_given_the_processes_own_is_read(monkeypatch):
+    start = starting_environment()
+    if start is None or "OTEL_TRACES_EXPORTER" in start:
+        pytest.skip("needs /proc/self/environ without OTEL_TRACES_EXPORTER")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")  # set after the start, as a distro does
+    assert "OTEL_TRACES_EXPORTER" in set_since_start()
+
+
+def test_a_file_exporter_built_for_a_forked_child_asks_its_path_again(tmp_path, monkeypatch):
+    """The application computes the file's path (named after its pid) and hands the exporter a factory for
+    the path a forked child must use; the exporter asks it once its pid has changed."""
+    import stagetrace.destinations.files as files
+
+    parent, child = tmp_path / "traces-1.jsonl", tmp_path / "traces-2.jsonl"
+    (spans,) = span_exporters(Selection(("file",)), parent, path_factory=lambda: child)
+    metrics_child = tmp_path / "m-2.jsonl"
+    (reader,) = metric_readers(Selection(("file",)), tmp_path / "m-1.jsonl", path_factory=lambda: metrics_child)
+    try:
+        assert spans.path == parent
+        real_pid = os.getpid()
+        monkeypatch.setattr(files.os, "getpid", lambda: real_pid + 1)  # as in the child after fork()
+        spans._lines.write(b"{}\n")
+        assert spans.path == child and child.read_bytes() == b"{}\n" and not parent.exists()
+        from stagetrace._compat import metric_exporter_of
+
+        metrics = metric_exporter_of(reader)
+        metrics._lines.write(b"{}\n")
+        assert metrics_child.read_bytes() == b"{}\n"
+    finally:
+        monkeypatch.undo()
+        reader.shutdown()

@@ -357,3 +357,48 @@ def test_a_diagnosis_reads_as_its_finding_then_its_evidence(tmp_path):
     assert lines[at].endswith(f"e.g. {finding}")
     assert lines[at + 1] == f"      evidence: {said}"
     assert f'<p class="evidence">evidence: {said}</p>' in page.read_text()
+
+
+def _two_services_streamed(first_threshold_ms=None, gap_threshold_ms=None):
+    """A gateway that streams (its root has the stream's figures) and the model service under it, each with
+    its own verdict: the report judges the trace whole, from the gateway's root, and must split the
+    stream's phases over the model's stages and read the thresholds the gateway was judged by."""
+    gateway = {c.TOTAL_MS: 100.0, c.STREAM_CHUNKS: 10, c.STREAM_FIRST_CHUNK_MS: 30.0,
+               "stagetrace.stream.duration_ms": 60.0, "stagetrace.stream.gap_p99_ms": 50.0}  # fmt: skip
+    if first_threshold_ms is not None:
+        gateway[c.STREAM_FIRST_CHUNK_THRESHOLD_MS] = first_threshold_ms
+    if gap_threshold_ms is not None:
+        gateway[c.STREAM_GAP_THRESHOLD_MS] = gap_threshold_ms
+    spans = [
+        span(T1, "a" * 16, "", "POST /chat", 0, 100, gateway, kind=2),
+        span(T1, "b" * 16, "a" * 16, "POST /generate", 0, 99, {c.TOTAL_MS: 99.0}, kind=2),
+        stage(T1, "c" * 16, "b" * 16, "prefill", 0, 30, kind="gpu"),  # all before the first chunk (30 ms)
+        stage(T1, "d" * 16, "b" * 16, "decode", 30, 90, kind="gpu"),  # the first chunk to the last (90 ms)
+        stage(T1, "e" * 16, "b" * 16, "detokenize", 90, 95),  # after the last chunk: in neither phase
+    ]
+    return spans_from_line(line("svc", spans))
+
+
+def test_a_recomputed_streams_phases_are_split_over_the_stages_at_the_first_and_last_chunk():
+    from stagetrace.report.traces import verdict_for_trace
+
+    v = verdict_for_trace(_two_services_streamed(gap_threshold_ms=40.0))
+    assert v.stream is not None
+    assert v.stream.first_chunk_breakdown == {"prefill": 30.0}  # decode starts exactly at the first chunk
+    assert v.stream.gap_breakdown == {"decode": 60.0}
+    assert (v.stream.first_chunk_bottleneck, v.stream.gap_bottleneck) == ("prefill", "decode")
+    assert (v.slow, v.slow_reason, v.bottleneck, v.ratio) == (True, c.SLOW_GAP, "decode", 1.0)
+    assert (v.first_chunk_threshold_ms, v.gap_threshold_ms) == (200.0, 40.0)  # the default slow threshold
+
+
+def test_a_recomputed_stream_is_judged_by_the_thresholds_on_its_root_else_the_defaults():
+    from stagetrace.report.traces import verdict_for_trace
+
+    by_default = verdict_for_trace(_two_services_streamed())  # gaps' p99 50 ms under the default 100 ms
+    assert (by_default.slow, by_default.gap_threshold_ms, by_default.first_chunk_threshold_ms) == (False, 100.0, 200.0)
+    slow_first = verdict_for_trace(_two_services_streamed(first_threshold_ms=20.0))  # 30 ms to the first chunk
+    assert (slow_first.slow_reason, slow_first.bottleneck, slow_first.first_chunk_threshold_ms) == (
+        c.SLOW_FIRST_CHUNK, "prefill", 20.0,
+    )  # fmt: skip
+    slow_gaps = verdict_for_trace(_two_services_streamed(gap_threshold_ms=49.9))
+    assert (slow_gaps.slow_reason, slow_gaps.gap_threshold_ms) == (c.SLOW_GAP, 49.9)

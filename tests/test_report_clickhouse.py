@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -441,8 +442,16 @@ def test_times_are_read_as_durations_dates_or_epoch_seconds():
     assert parse_time("2026-11-30", now) == 1_795_996_800 * 10**9
     assert parse_time("2026-11-30T12:00:00+01:00", now) == (1_795_996_800 + 11 * 3600) * 10**9
     assert parse_time("1796083200.5", now) == 1_796_083_200_500_000_000
-    with pytest.raises(ValueError, match="use a duration before now"):
+    assert parse_time("2026-11-30T12:00", now) == (1_795_996_800 + 12 * 3600) * 10**9  # no zone: UTC
+    assert parse_time("2026-11-30T12:00:00Z", now) == (1_795_996_800 + 12 * 3600) * 10**9
+    with pytest.raises(ValueError) as raised:
         parse_time("yesterday", now)
+    assert str(raised.value) == (
+        "cannot read time 'yesterday': use a duration before now (90m, 24h, 7d), an ISO 8601 date or time "
+        "(2026-11-30, 2026-11-30T12:00:00Z) or epoch seconds"
+    )
+    before = time.time_ns()
+    assert before - 90 * 60 * 10**9 <= parse_time("90m") <= time.time_ns() - 90 * 60 * 10**9  # now, if not given
 
 
 def test_the_cli_says_which_options_need_clickhouse(capsys):

@@ -138,6 +138,29 @@ def test_exact_counts_are_each_cumulative_streams_latest_point_summed_over_proce
     assert restarted.counted() == (7, 0)
 
 
+def test_points_as_proto3_json_writes_them_fields_at_zero_left_out():
+    """OTLP JSON leaves out a field at its default: a point of no requests has no ``count``, a histogram may
+    lack its temporality (read as cumulative), a point its time; and of two points of one stream at one time
+    the later line stands. A route that is not a string is no route."""
+    totals = TraceCounts()
+    empty = {k: v for k, v in _point(0, False, 10).items() if k != "count"}
+    doc = _histogram_line([empty])
+    del doc["resourceMetrics"][0]["scopeMetrics"][0]["metrics"][0]["histogram"]["aggregationTemporality"]
+    totals.add(doc)
+    assert totals.counted() == (0, 0)  # seen: the metrics counted no request, which is not "no metrics"
+    totals.add(_histogram_line([_point(6, False, 10)]))  # the same stream, the same time: the later line
+    assert totals.counted() == (6, 0)
+    timeless = TraceCounts()
+    timeless.add(_histogram_line([{k: v for k, v in _point(3, True, 10).items() if k != "timeUnixNano"}]))
+    timeless.add(_histogram_line([_point(4, True, 1)]))  # at 1 ns: after a point with no time (read as 0)
+    assert timeless.counted() == (4, 4)
+    odd_route = TraceCounts()
+    point = _point(2, False, 5, route=None)
+    point["attributes"].append(kv(c.HTTP_ROUTE, 7))
+    odd_route.add(_histogram_line([point], temporality=1))
+    assert odd_route.counted() == (2, 0) and odd_route.counted("/p") == (0, 0)
+
+
 def test_a_run_whose_truth_is_known_is_reported_as_a_sample_of_it(tmp_path):
     """300 requests, 60 slow, the default healthy share and export budget: the report says how many traces
     it kept of the 300 the metrics counted, its estimate of all requests is what the adjusted counts'

@@ -278,3 +278,117 @@ def test_a_span_read_as_a_stage_keeps_its_own_attributes_and_gains_the_stage_one
     }
     assert out[F["scope_name"]] == "fastapi" and out[F["span_id"]] == 0xD
     assert as_stage_span(span, "cpu")[F["attributes"]][c.STAGE_KIND] == "cpu"
+
+
+# --- values at their edges: folded stages, a stream's root, the wire's checks -----------------------------------
+
+
+def test_a_folded_stage_says_how_many_it_folds_and_their_sum_least_and_most_to_the_microsecond():
+    folded = record("decode_step", compressed=(97, 123_456_789, 1_000_400, 2_345_678))
+    attrs = sp.stage_span(folded, 1, 0, 1, "")[F["attributes"]]
+    assert attrs["stagetrace.compressed.count"] == 97
+    assert attrs["stagetrace.compressed.sum_ms"] == 123.457  # 123.456789 ms to three places
+    assert attrs["stagetrace.compressed.min_ms"] == 1.0  # 1.0004 ms
+    assert attrs["stagetrace.compressed.max_ms"] == 2.346
+    assert "stagetrace.compressed.slowest" not in attrs
+    slowest = sp.stage_span(record("decode_step", example=True), 1, 0, 1, "")[F["attributes"]]
+    assert slowest["stagetrace.compressed.slowest"] is True and "stagetrace.compressed.count" not in slowest
+    plain = sp.stage_span(record("decode_step"), 1, 0, 1, "")[F["attributes"]]
+    assert not any(k.startswith("stagetrace.compressed.") for k in plain)
+
+
+def test_a_stages_own_attributes_and_the_callers_extra_ones_are_kept_and_the_extra_ones_win():
+    st = record(attributes={"model": "a", "shared": 1})
+    attrs = sp.stage_attributes(st, {"shared": 2, "extra": True})
+    assert (attrs["model"], attrs["shared"], attrs["extra"]) == ("a", 2, True)
+    assert attrs[c.STAGE] == "decode" and attrs[c.STAGE_KIND] == "cpu"
+
+
+def streamed(**kw):
+    from stagetrace.analysis.streams import StreamSummary
+
+    base = dict(
+        chunks=12, first_chunk_ms=45.67891, streaming_ms=220.0004, gap_p50_ms=18.0, gap_p99_ms=31.23456,
+        gap_max_ms=40.5, send_wait_ms=0.25, disconnected=False, first_chunk_bottleneck="prefill",
+        gap_bottleneck="decode", first_chunk_breakdown={"queue": 5.0, "prefill": 38.0},
+        gap_breakdown={"decode": 200.0, "detokenize": 15.0}, gaps=None,
+    )  # fmt: skip
+    base.update(kw)
+    return StreamSummary(**base)
+
+
+def test_a_streamed_roots_attributes_are_its_summary_to_the_microsecond():
+    attrs = sp.verdict_attributes(verdict(stream=streamed()))
+    assert attrs["stagetrace.stream.chunks"] == 12
+    assert attrs["stagetrace.stream.first_chunk_ms"] == 45.679
+    assert attrs["stagetrace.stream.duration_ms"] == 220.0
+    assert attrs["stagetrace.stream.gap_p50_ms"] == 18.0 and attrs["stagetrace.stream.gap_p99_ms"] == 31.235
+    assert attrs["stagetrace.stream.gap_max_ms"] == 40.5 and attrs["stagetrace.stream.send_wait_ms"] == 0.25
+    assert attrs["stagetrace.stream.first_chunk.bottleneck"] == "prefill"
+    assert attrs["stagetrace.stream.gap.bottleneck"] == "decode"
+    assert not any(k.startswith("gen_ai.") for k in attrs)  # not a generative request: no GenAI latencies
+    one = sp.verdict_attributes(verdict(stream=streamed(chunks=1, gap_p50_ms=None, gap_p99_ms=None, gap_max_ms=None)))
+    assert one["stagetrace.stream.chunks"] == 1 and "stagetrace.stream.gap_p99_ms" not in one
+    assert "stagetrace.stream.chunks" not in sp.verdict_attributes(verdict())
+
+
+def test_a_generative_streams_root_has_vllms_latencies_in_seconds():
+    gen_ai = {"gen_ai.operation.name": "chat", "gen_ai.request.model": "m"}
+    kinds = {"queue": "wait", "prefill": "gpu", "decode": "gpu", "detokenize": "cpu"}
+    root = sp.root_with_verdict(
+        root_span({"gen_ai.request.model": "set by the app"}),
+        verdict(total_ms=265.6789, stream=streamed(), gen_ai=gen_ai, stage_kinds=kinds),
+    )
+    attrs = root[F["attributes"]]
+    assert attrs["gen_ai.latency.time_to_first_token"] == 0.045679  # 45.67891 ms, to the microsecond
+    assert attrs["gen_ai.latency.e2e"] == 0.265679
+    assert attrs["gen_ai.latency.time_in_queue"] == 0.005
+    assert attrs["gen_ai.latency.time_in_model_prefill"] == 0.038
+    assert attrs["gen_ai.latency.time_in_model_decode"] == 0.2  # detokenize is not the model's
+    assert attrs["gen_ai.operation.name"] == "chat"  # the request's own gen_ai attributes
+    assert attrs["gen_ai.request.model"] == "set by the app"  # ... never over what the root already says
+    assert root[F["status_code"]] == StatusCode.UNSET.value and "error.type" not in attrs
+
+
+def test_a_stream_the_client_left_is_an_error_of_type_connection_error_unless_the_root_says_otherwise():
+    gone = sp.root_with_verdict(root_span({}), verdict(stream=streamed(disconnected=True)))
+    assert gone[F["status_code"]] == StatusCode.ERROR.value
+    assert gone[F["attributes"]]["error.type"] == "ConnectionError"
+    typed = sp.root_with_verdict(root_span({"error.type": "500"}), verdict(stream=streamed(disconnected=True)))
+    assert typed[F["attributes"]]["error.type"] == "500" and typed[F["status_code"]] == StatusCode.ERROR.value
+
+
+def test_the_keep_decisions_extra_attributes_land_on_the_root_and_query_strings_stay_when_asked():
+    extra = {"stagetrace.sampling.adjusted_count": 4.0}
+    root = sp.root_with_verdict(root_span(dict(QUERY_ATTRS)), verdict(), keep_query_strings=True, extra=extra)
+    attrs = root[F["attributes"]]
+    assert attrs["stagetrace.sampling.adjusted_count"] == 4.0
+    assert attrs["http.target"] == "/a?b=1?c" and attrs["url.query"] == "z=1"
+    assert (root[F["name"]], root[F["start_ns"]], root[F["end_ns"]]) == ("GET /x", 0, 100 * MS)
+
+
+def test_a_diagnosis_with_evidence_carries_it_on_its_event_and_one_without_has_none():
+    with_evidence = Diagnosis("CPU_OVERSUBSCRIBED", "m", "a", evidence="12 threads on 2 CPUs")
+    bare = Diagnosis("UNTRACKED_TIME", "m2", "a2")
+    (_, _, first), (_, _, second) = sp.diagnosis_events(verdict(diagnoses=(with_evidence, bare)), 7)
+    assert first[c.DIAGNOSIS_EVENT_EVIDENCE] == "12 threads on 2 CPUs"
+    assert c.DIAGNOSIS_EVENT_EVIDENCE not in second and c.DIAGNOSIS_EVENT_STAGE not in second
+
+
+@pytest.mark.parametrize(
+    "value",
+    [[1, 2, 3, 4], (1, 2, 3), (1, 2, 3, 4, 5), (1, 2.0, 3, 4), (1, 2, -1, 4), (True, 2, 3, 4), (1, "2", 3, 4)],
+)
+def test_a_malformed_folded_field_is_a_clear_error(value):
+    from stagetrace.analysis.model import compressed_info
+
+    with pytest.raises(ValueError, match=r"^malformed compressed field$"):
+        compressed_info(value)
+
+
+def test_a_folded_field_of_zeros_and_of_its_own_type_is_read_as_is():
+    from stagetrace.analysis.model import CompressedInfo, compressed_info
+
+    assert compressed_info((0, 0, 0, 0)) == CompressedInfo(0, 0, 0, 0)
+    info = CompressedInfo(3, 30, 5, 15)
+    assert compressed_info(info) is info and compressed_info(None) is None

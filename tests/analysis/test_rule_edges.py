@@ -230,3 +230,13 @@ def test_the_verdict_carries_what_held_the_loop_and_whom_it_delayed():
     assert (v.blocked_by, v.delayed_requests) == (("resize@t1",), 3)
     none = build_verdict(trace_id="t", root_name="r", analysis=a, diagnoses=(), signals=TraceSignals())
     assert (none.blocked_by, none.delayed_requests) == (None, None)
+
+
+def test_a_stage_exactly_min_stage_ms_long_and_blocked_is_looked_at_and_one_a_hair_shorter_is_not():
+    from stagetrace.analysis.causes import blocked_enough
+
+    th = DiagnosisThresholds()  # min_stage_ms 5, blocked at least 5 ms and 25 % of the stage
+    assert blocked_enough(cpu("tokenize", 0, th.min_stage_ms, blocked_ms=5.0), th)
+    assert not blocked_enough(cpu("tokenize", 0, th.min_stage_ms - 0.001, blocked_ms=5.0), th)
+    assert not blocked_enough(cpu("tokenize", 0, 20, blocked_ms=4.999), th)  # under blocked_min_ms
+    assert not blocked_enough(cpu("tokenize", 0, 20, kind="io", blocked_ms=20.0), th)  # only CPU stages

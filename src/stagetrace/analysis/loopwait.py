@@ -48,8 +48,7 @@ def _merge(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     merged: list[tuple[int, int]] = []
     for s, e in sorted(iv for iv in intervals if iv[1] > iv[0]):
         if merged and s <= merged[-1][1]:
-            if e > merged[-1][1]:
-                merged[-1] = (merged[-1][0], e)
+            merged[-1] = (merged[-1][0], max(e, merged[-1][1]))
         else:
             merged.append((s, e))
     return merged

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from stagetrace.analysis.model import StageLike
-from stagetrace.conventions import SLOW_FIRST_CHUNK, SLOW_GAP
+from stagetrace.conventions import MS_BUCKETS, SLOW_FIRST_CHUNK, SLOW_GAP
 
 
 class StreamFields(NamedTuple):
@@ -41,6 +41,8 @@ def stream_fields(value: Any) -> StreamFields | None:
         raise ValueError("malformed stream record")
     if not isinstance(fields.gap_counts, tuple) or not isinstance(fields.gap_sample, tuple):
         raise ValueError("malformed stream record")
+    if len(fields.gap_counts) != len(MS_BUCKETS) + 1 or (fields.chunks > 1) != bool(fields.gap_sample):
+        raise ValueError("malformed stream record: its gaps do not match its chunks")
     return fields
 
 
@@ -74,8 +76,6 @@ class StreamSummary(NamedTuple):
 
 def quantile(ordered: Sequence[int], q: float) -> float:
     """The ``q`` quantile of sorted values, interpolated between the two nearest (as numpy's default)."""
-    if len(ordered) == 1:
-        return float(ordered[0])
     at = q * (len(ordered) - 1)
     low = int(at)
     high = min(low + 1, len(ordered) - 1)
@@ -117,7 +117,7 @@ def summarise_stream(
     first, last = stream.first_ns, stream.last_ns
     before, between = split_phases(first, last, stages, charged_ms)
     sample = sorted(stream.gap_sample)
-    gaps = bool(sample) and stream.chunks > 1
+    gaps = stream.chunks > 1  # then the sample holds at least one gap (stream_fields checks it)
     return StreamSummary(
         chunks=stream.chunks,
         first_chunk_ms=max(0, first - root_start_ns) / 1e6,

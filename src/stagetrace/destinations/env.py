@@ -155,6 +155,12 @@ def starting_environment() -> dict[str, str] | None:
             raw = fh.read()
     except OSError:
         return None
+    return parse_environ(raw)
+
+
+def parse_environ(raw: bytes) -> dict[str, str]:
+    """``/proc/PID/environ``'s ``KEY=VALUE`` entries, each ended by a NUL; a value may hold ``=``, an entry
+    without one (written by a process that edited its own memory) is skipped."""
     env = {}
     for entry in raw.split(b"\0"):
         key, sep, value = entry.partition(b"=")

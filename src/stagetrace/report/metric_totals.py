@@ -31,7 +31,6 @@ class TraceCounts:
     def __init__(self) -> None:
         self._latest: dict[StreamKey, tuple[int, int, bool, str | None]] = {}  # stream -> (time, count, slow, route)
         self._deltas: list[tuple[int, bool, str | None]] = []
-        self.points = 0
 
     def add(self, doc: dict[str, Any]) -> None:
         """Raises ValueError, KeyError or TypeError on a document of another shape (the caller counts the
@@ -53,7 +52,6 @@ class TraceCounts:
         slow = attributes.get(c.SLOW) is True
         route = attributes.get(c.HTTP_ROUTE)
         route = route if isinstance(route, str) else None
-        self.points += 1
         if not cumulative:
             self._deltas.append((count, slow, route))
             return
@@ -64,7 +62,7 @@ class TraceCounts:
             self._latest[key] = (at, count, slow, route)
 
     def counted(self, route: str | None = None) -> Counted | None:
-        if not self.points:
+        if not self._latest and not self._deltas:
             return None
         rows = [(n, slow, r) for _, n, slow, r in self._latest.values()] + self._deltas
         rows = [row for row in rows if route is None or row[2] == route]

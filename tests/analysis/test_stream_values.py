@@ -1,0 +1,188 @@
+"""A stream's summary, phases and GenAI latencies pinned on hand-computed inputs: every figure the verdict,
+the span attributes and the GenAI metrics read, at its edges (one chunk, two, a stage across the first chunk
+or past the last, a threshold met exactly), never against a second copy of the code's formula."""
+
+from __future__ import annotations
+
+import pytest
+from trace_builders import MS, cpu
+
+from stagetrace import conventions as c
+from stagetrace.analysis.streams import (
+    GapHistogram,
+    StreamFields,
+    StreamSummary,
+    StreamThresholds,
+    gen_ai_latencies,
+    judge_phases,
+    quantile,
+    stream_fields,
+    summarise_stream,
+)
+
+BUCKETS = len(c.MS_BUCKETS) + 1
+
+
+def counts(*gaps_ms: float) -> tuple[int, ...]:
+    """The gaps counted on the contract's buckets, written out by hand: bucket i holds gaps <= MS_BUCKETS[i]."""
+    out = [0] * BUCKETS
+    for gap in gaps_ms:
+        out[next((i for i, edge in enumerate(c.MS_BUCKETS) if gap <= edge), len(c.MS_BUCKETS))] += 1
+    return tuple(out)
+
+
+# Root at 1 ms; chunks at 4, 5, 7 and 10 ms: gaps 1, 2 and 3 ms (sampled out of order), 0.5 ms awaiting send.
+ROOT_NS = 1 * MS
+FOUR_CHUNKS = StreamFields(
+    chunks=4,
+    first_ns=4 * MS,
+    last_ns=10 * MS,
+    gap_counts=counts(1, 2, 3),
+    gap_sum_ns=6 * MS,
+    gap_min_ns=1 * MS,
+    gap_max_ns=3 * MS,
+    gap_sample=(3 * MS, 1 * MS, 2 * MS),
+    send_wait_ns=MS // 2,
+    disconnected=True,
+)
+STAGES = [
+    cpu("queue", 1.0, 1.5, kind="wait"),  # wholly before the first chunk
+    cpu("prefill", 1.5, 3.5, kind="gpu"),  # wholly before
+    cpu("decode", 3.5, 9.5, kind="gpu"),  # across the first chunk: 0.5 of its 6 ms before, 5.5 between
+    cpu("detokenize", 9.8, 10.5),  # across the last chunk: 0.2 of its 0.7 ms between, the rest after
+]
+CHARGED = [0.5, 2.0, 6.0, 0.7]
+
+
+def test_every_figure_of_a_four_chunk_stream():
+    s = summarise_stream(ROOT_NS, FOUR_CHUNKS, STAGES, CHARGED)
+    assert s.chunks == 4
+    assert s.first_chunk_ms == pytest.approx(3.0)  # 4 ms - the root's 1 ms
+    assert s.streaming_ms == pytest.approx(6.0)  # 10 ms - 4 ms
+    assert s.gap_p50_ms == pytest.approx(2.0)  # the median of 1, 2, 3
+    assert s.gap_p99_ms == pytest.approx(2.98)  # 2 + (3 - 2) x (0.99 x 2 - 1), numpy's linear rule
+    assert s.gap_max_ms == pytest.approx(3.0)
+    assert s.send_wait_ms == pytest.approx(0.5)
+    assert s.disconnected is True
+    assert s.first_chunk_breakdown == pytest.approx({"queue": 0.5, "prefill": 2.0, "decode": 0.5})
+    assert s.gap_breakdown == pytest.approx({"decode": 5.5, "detokenize": 0.2})
+    assert (s.first_chunk_bottleneck, s.gap_bottleneck) == ("prefill", "decode")
+    assert s.gaps == GapHistogram(counts(1, 2, 3), 6.0, 1.0, 3.0)
+
+
+def test_two_chunks_have_one_gap_and_one_chunk_has_none():
+    two = FOUR_CHUNKS._replace(
+        chunks=2, last_ns=9 * MS, gap_counts=counts(5), gap_sum_ns=5 * MS, gap_min_ns=5 * MS, gap_max_ns=5 * MS,
+        gap_sample=(5 * MS,), disconnected=False,
+    )  # fmt: skip
+    s = summarise_stream(ROOT_NS, two, STAGES, CHARGED)
+    assert (s.gap_p50_ms, s.gap_p99_ms, s.gap_max_ms) == pytest.approx((5.0, 5.0, 5.0))
+    assert s.gaps == GapHistogram(counts(5), 5.0, 5.0, 5.0) and s.disconnected is False
+    one = FOUR_CHUNKS._replace(
+        chunks=1, last_ns=4 * MS, gap_counts=counts(), gap_sum_ns=0, gap_min_ns=0, gap_max_ns=0, gap_sample=()
+    )
+    s = summarise_stream(ROOT_NS, one, STAGES, CHARGED)
+    assert (s.chunks, s.streaming_ms) == (1, 0.0)
+    assert (s.gap_p50_ms, s.gap_p99_ms, s.gap_max_ms, s.gaps) == (None, None, None, None)
+    assert s.gap_breakdown == {} and s.gap_bottleneck is None  # nothing lies between a first and a last chunk
+
+
+def test_a_chunk_before_the_roots_start_reads_as_zero_not_negative():
+    early = FOUR_CHUNKS._replace(first_ns=ROOT_NS - 2 * MS)  # a clock read on another thread, a hair early
+    assert summarise_stream(ROOT_NS, early, [], []).first_chunk_ms == 0.0
+
+
+@pytest.mark.parametrize(
+    ("q", "expected"),
+    [(0.0, 10.0), (0.5, 25.0), (0.25, 17.5), (0.9, 37.0), (1.0, 40.0)],  # 10, 20, 30, 40 by hand
+)
+def test_quantiles_interpolate_between_the_nearest_values(q, expected):
+    assert quantile([10, 20, 30, 40], q) == pytest.approx(expected)
+
+
+def test_the_quantile_of_one_value_is_that_value():
+    assert quantile([7], 0.0) == quantile([7], 0.99) == quantile([7], 1.0) == 7.0
+
+
+def summary(first_chunk_ms=3.0, streaming_ms=6.0, gap_p99_ms=2.0, before=None, between=None):
+    before = {"prefill": 2.0, "queue": 0.5} if before is None else before
+    between = {"decode": 4.5} if between is None else between
+    return StreamSummary(
+        3, first_chunk_ms, streaming_ms, 1.0, gap_p99_ms, 2.5, 0.0, False,
+        max(before, key=before.get) if before else None, max(between, key=between.get) if between else None,
+        before, between, None,
+    )  # fmt: skip
+
+
+def test_a_first_chunk_exactly_at_its_threshold_is_not_slow_and_a_hair_past_it_is():
+    at = StreamThresholds(first_chunk_ms=3.0, gap_ms=100.0)
+    assert judge_phases(summary(first_chunk_ms=3.0), at) == (None, None, 0.0)
+    judged = judge_phases(summary(first_chunk_ms=3.001), at)
+    assert judged.reason == c.SLOW_FIRST_CHUNK and judged.bottleneck == "prefill"
+    assert judged.ratio == pytest.approx(2.0 / 3.001)  # the bottleneck's share of the phase
+
+
+def test_gaps_exactly_at_their_threshold_are_not_slow_and_a_hair_past_them_are():
+    at = StreamThresholds(first_chunk_ms=100.0, gap_ms=2.0)
+    assert judge_phases(summary(gap_p99_ms=2.0), at).reason is None
+    judged = judge_phases(summary(gap_p99_ms=2.001), at)
+    assert (judged.reason, judged.bottleneck) == (c.SLOW_GAP, "decode")
+    assert judged.ratio == pytest.approx(4.5 / 6.0)  # of the streaming phase, not of the first chunk's
+
+
+def test_a_slow_first_chunk_heads_the_verdict_before_slow_gaps():
+    both = judge_phases(summary(first_chunk_ms=50.0, gap_p99_ms=50.0), StreamThresholds(10.0, 10.0))
+    assert both.reason == c.SLOW_FIRST_CHUNK
+
+
+def test_a_single_chunk_stream_is_judged_by_its_first_chunk_alone():
+    assert judge_phases(summary(gap_p99_ms=None), StreamThresholds(100.0, 0.0)).reason is None
+
+
+def test_the_headline_share_is_capped_at_the_whole_phase_and_empty_phases_have_none():
+    over = judge_phases(summary(first_chunk_ms=2.0, before={"prefill": 2.5}), StreamThresholds(1.0, 100.0))
+    assert over.ratio == 1.0  # a stage charged more than the phase (its overlap with others) owns all of it
+    exact = judge_phases(summary(first_chunk_ms=2.0, before={"prefill": 1.0}), StreamThresholds(1.0, 100.0))
+    assert exact.ratio == pytest.approx(0.5)
+    empty = judge_phases(summary(first_chunk_ms=2.0, before={}), StreamThresholds(1.0, 100.0))
+    assert (empty.reason, empty.bottleneck, empty.ratio) == (c.SLOW_FIRST_CHUNK, None, 0.0)
+    instant = judge_phases(summary(streaming_ms=0.0, gap_p99_ms=5.0), StreamThresholds(100.0, 1.0))
+    assert (instant.bottleneck, instant.ratio) == ("decode", 0.0)  # no phase to take a share of
+
+
+def test_gen_ai_latencies_from_the_conventions_text():
+    """vLLM's and SGLang's request attributes, in seconds: time to first token, end to end, the queue (waits
+    before the first token), prefill (model stages before it) and decode (model stages after it)."""
+    s = summarise_stream(ROOT_NS, FOUR_CHUNKS, STAGES, CHARGED)
+    kinds = {"queue": "wait", "prefill": "gpu", "decode": "gpu", "detokenize": "cpu"}
+    got = gen_ai_latencies(s, kinds, total_ms=12.0, model_kinds=frozenset({"gpu"}))
+    assert got.time_to_first_token == pytest.approx(0.003)
+    assert got.e2e == pytest.approx(0.012)
+    assert got.time_in_queue == pytest.approx(0.0005)
+    assert got.time_in_model_prefill == pytest.approx(0.0025)  # prefill's 2 ms and decode's 0.5 ms before it
+    assert got.time_in_model_decode == pytest.approx(0.0055)  # decode's 5.5 ms; detokenize is not the model
+    cpu_model = gen_ai_latencies(s, kinds, total_ms=12.0, model_kinds=frozenset({"cpu"}))
+    assert cpu_model.time_in_model_prefill == 0.0 and cpu_model.time_in_model_decode == pytest.approx(0.0002)
+
+
+def test_a_shipped_stream_tuple_is_checked_field_by_field():
+    assert stream_fields(None) is None
+    assert stream_fields(FOUR_CHUNKS) is FOUR_CHUNKS
+    assert stream_fields(tuple(FOUR_CHUNKS)) == FOUR_CHUNKS
+    bad = {
+        "a list": list(FOUR_CHUNKS),
+        "too short": tuple(FOUR_CHUNKS)[:-1],
+        "no chunk": tuple(FOUR_CHUNKS._replace(chunks=0)),
+        "a float time": tuple(FOUR_CHUNKS._replace(first_ns=4.0 * MS)),
+        "a float max": tuple(FOUR_CHUNKS._replace(gap_max_ns=3.0 * MS)),
+        "counts as a list": tuple(FOUR_CHUNKS._replace(gap_counts=list(FOUR_CHUNKS.gap_counts))),
+        "sample as a list": tuple(FOUR_CHUNKS._replace(gap_sample=list(FOUR_CHUNKS.gap_sample))),
+        "counts on other buckets": tuple(FOUR_CHUNKS._replace(gap_counts=(3,))),
+        "chunks without gaps": tuple(FOUR_CHUNKS._replace(gap_sample=())),
+        "a gap without a second chunk": tuple(FOUR_CHUNKS._replace(chunks=1)),
+    }
+    for why, value in bad.items():
+        with pytest.raises(ValueError, match=r"^malformed stream record") as raised:
+            stream_fields(value)
+        assert raised.value.args, why
+    assert stream_fields(tuple(FOUR_CHUNKS._replace(chunks=1, gap_sample=()))).chunks == 1
