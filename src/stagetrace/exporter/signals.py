@@ -41,14 +41,12 @@ def resolve_cpu(stage: Any, gil_wait_bound_ms: float | None = None) -> None:
     of at least 1 ms: below that the split is scheduler noise, no rule looks at it, and each attribute costs
     encoding on every span."""
     start, end = stage.cpu_start, stage.cpu_end
-    if start is None or end is None:
-        return
+    kind = type(start)
+    if start is None or kind is not type(end):
+        return  # no pair, or readings of two kinds (the name's history changed in between): none comparable
     wall_ns = stage.end_ns - stage.start_ns
     if wall_ns < MIN_CPU_ACCOUNTED_NS:
         return
-    kind = type(start)
-    if kind is not type(end):
-        return  # readings of two kinds (the name's history changed in between): no comparable pair
     # (every stage of every trace comes through here: comparisons, not max(), and one round() a figure)
     wall_ms = stage.wall_ms if stage.compressed is not None else wall_ns / 1e6
     slices = None
@@ -124,7 +122,7 @@ def process_load(
     queue left out, as it was read), and the traces in flight at those readings, on average. None without
     such readings (a span under half the window's, or over twice it plus 50 ms, says too little of it), or
     without the CPU count."""
-    if cpus is None or not len(cpu) or not len(run_queue):
+    if cpus is None or not len(cpu):  # (no run-queue readings: cumulative_change below says None)
         return None
     times = cpu.times
     window_ns = end_ns - start_ns
@@ -141,7 +139,7 @@ def process_load(
     queued_ms = cumulative_change(run_queue, times[first], times[last])
     if queued_ms is None:
         return None
-    counts = in_flight.window(times[first], times[last]) if len(in_flight) else []
+    counts = in_flight.window(times[first], times[last])
     return ProcessLoad(
         cpus=cpus,
         cpus_used=round(used_ms / span_ms, 3),
@@ -273,9 +271,7 @@ def max_loop_lag_ms(series: LagSeries, start_ns: int, end_ns: int) -> float | No
         return None
     worst = 0
     for t, lag_ms in zip(times[lo:hi], values[lo:hi]):
-        overlap = (t if t < end_ns else end_ns) - max(t - int(lag_ms * 1e6), start_ns)
-        if overlap > worst:
-            worst = overlap
+        worst = max(worst, min(t, end_ns) - max(t - int(lag_ms * 1e6), start_ns))
     return round(worst / 1e6, 3)
 
 
