@@ -35,6 +35,8 @@ BATCH_SIZE = "stagetrace_batch_size"
 FIRST_CHUNK = "stagetrace_stream_first_chunk_duration_milliseconds"
 CHUNK_GAP = "stagetrace_stream_chunk_gap_milliseconds"
 GEN_AI_TTFT = "gen_ai_server_time_to_first_token_seconds"
+OFFLOAD_QUEUE = "stagetrace_offload_queue_duration_milliseconds"
+OFFLOAD_TRANSFER = "stagetrace_offload_transfer_size_bytes"
 GEN_AI_TPOT = "gen_ai_server_time_per_output_token_seconds"
 BATCH_FILL = "stagetrace_batch_fill(_ratio)?"  # unit "1": the Collector adds _ratio, the Python exporter does not
 RATE = "$__rate_interval"
@@ -365,6 +367,40 @@ def build() -> dict:
             unit="s",
             description="OpenTelemetry's GenAI server metrics, for requests that said what they serve "
             "(stagetrace.generation()).",
+        ),
+        panel(
+            19,
+            "Process pools: wait for a worker p50 / p99, by function",
+            "timeseries",
+            (0, 62, 12, 8),
+            [
+                target(
+                    f"histogram_quantile({q}, sum by (le, stagetrace_stage) "
+                    f"(rate({OFFLOAD_QUEUE}_bucket{{{SVC}}}[{RATE}])))",
+                    f"p{round(q * 100)} {{{{stagetrace_stage}}}}",
+                    ref,
+                )
+                for q, ref in ((0.5, "A"), (0.99, "B"))
+            ],
+            unit="ms",
+            description="Calls a request handed to a process pool: their offload.queue, the wait for a worker. "
+            "Growing while every worker is busy: POOL_SATURATED; a worker's first task: WORKER_COLD_START.",
+        ),
+        panel(
+            20,
+            "Process pools: bytes moved a call, by direction",
+            "timeseries",
+            (12, 62, 12, 8),
+            [
+                target(
+                    f"sum by (stagetrace_stage, direction) (rate({OFFLOAD_TRANSFER}_sum{{{SVC}}}[{RATE}])) / "
+                    f"sum by (stagetrace_stage, direction) (rate({OFFLOAD_TRANSFER}_count{{{SVC}}}[{RATE}]))",
+                    "{{stagetrace_stage}} {{direction}}",
+                )
+            ],
+            unit="bytes",
+            description="What each call sends its worker (its arguments) and gets back (its result). Megabytes "
+            "a call: IPC_BOUND (send encoded bytes, paths or shared memory).",
         ),
     ]
     return {

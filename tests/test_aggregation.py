@@ -14,6 +14,7 @@ from opentelemetry.sdk.resources import Resource
 from stagetrace import conventions as c
 from stagetrace.analysis import Verdict
 from stagetrace.analysis.diagnosis import Diagnosis
+from stagetrace.analysis.offload import OffloadedCall, OffloadInfo
 from stagetrace.analysis.streams import GapHistogram, StreamSummary
 from stagetrace.exporter.aggregation import AggregatedMetrics
 from stagetrace.exporter.metrics import INSTRUMENTS, SdkInstruments
@@ -62,6 +63,9 @@ def feed(sink: Any, rounds: range) -> None:
         if i % 2:  # a streamed response of a generative model
             gen_ai = {c.GEN_AI_REQUEST_MODEL: "m", c.GEN_AI_OPERATION: "chat"}
             sink.record_trace(verdict(i, stream=stream(i), gen_ai=gen_ai, route="/gen"), exemplar)
+        if i % 3 == 1:  # a request that handed a call to a process pool (its result lost one round in four)
+            info = OffloadInfo("ProcessPoolExecutor", 2, 1 + i % 4, 4**i, None if i % 4 == 1 else 2**i)
+            sink.record_trace(verdict(i, offloads=(OffloadedCall("tokenize", info, 0.5 * i, 1.0, 5.0, 0.2),)), None)
         sink.record_stage("late", "cpu", 0.7 * i, None)
         sink.record_batch("infer", 1 + i % 9, (1 + i % 9) / 8 if i % 3 else None)
         sink.dropped("channel_full", i % 3)

@@ -306,6 +306,9 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
     (what the Collector's prometheus exporter does in the stack); every dashboard query must return data."""
     prometheus = need("prometheus")
     import asyncio
+    import multiprocessing
+    import zlib
+    from concurrent.futures import ProcessPoolExecutor
 
     import httpx
     from fastapi import FastAPI
@@ -366,6 +369,15 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
 
         return StreamingResponse(tokens(), media_type="text/event-stream")
 
+    # A pool made before any request, started by forkserver (no copy of this process's threads): each call
+    # to it is an offload stage whose queue wait and payload sizes the pool panels read.
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver"))
+
+    @app.get("/offload")
+    async def offload():
+        await asyncio.get_running_loop().run_in_executor(pool, zlib.compress, b"stagetrace " * 2000)
+        return {}
+
     @app.get("/churn/{i}")
     def churn(i: int):
         with stagetrace.stage(f"dynamic-{i}"):  # too many distinct stage names: counted as dropped
@@ -383,6 +395,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
                     await c.get("/predict")
                     await c.get("/batched")
                     await c.get("/generate")
+                    await c.get("/offload")
                     await c.get(f"/churn/{i % 12}")
                     i += 1
                     await asyncio.sleep(0.01)
@@ -439,4 +452,5 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
         proc.terminate()
         proc.wait(timeout=20)
         server.shutdown()
+        pool.shutdown()
         handle.shutdown()

@@ -353,6 +353,43 @@ def executor_thread_name_prefix(pool: ThreadPoolExecutor) -> str:
     return str(getattr(pool, "_thread_name_prefix", "") or "")
 
 
+# --- the standard library's process pools ------------------------------------------------------------------
+
+
+def process_pool_facts(pool: Any) -> tuple[int | None, int | None, str | None]:
+    """A ``ProcessPoolExecutor``'s size (``_max_workers``), the calls it holds (``_pending_work_items``: queued
+    and running) and its start method (``_mp_context``); None for what the layout does not have."""
+    size = getattr(pool, "_max_workers", None)
+    pending = getattr(pool, "_pending_work_items", None)
+    return (
+        size if isinstance(size, int) else None,
+        len(pending) if isinstance(pending, dict) else None,
+        _start_method(getattr(pool, "_mp_context", None)),
+    )
+
+
+def mp_pool_facts(pool: Any) -> tuple[int | None, str | None]:
+    """A ``multiprocessing.Pool``'s size (``_processes``) and start method (``_ctx``)."""
+    size = getattr(pool, "_processes", None)
+    return size if isinstance(size, int) else None, _start_method(getattr(pool, "_ctx", None))
+
+
+def _start_method(ctx: Any) -> str | None:
+    try:
+        method = ctx.get_start_method() if ctx is not None else None
+    except Exception:
+        return None
+    return method if isinstance(method, str) else None
+
+
+# Where the pools start their workers (looked up when a worker process is made, so a wrapper put there runs
+# first in every worker started afterwards), and where multiprocessing.Pool makes the tasks of map, imap and
+# starmap (in the caller's thread: the generator runs later, on the pool's task thread).
+PROCESS_POOL_WORKER = ("concurrent.futures.process", "_process_worker")
+MP_POOL_WORKER = ("multiprocessing.pool", "worker")
+MP_POOL_TASKS = "_guarded_task_generation"
+
+
 # --- FastAPI's own telemetry (0.142+) ----------------------------------------------------------------------
 
 

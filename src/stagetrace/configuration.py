@@ -238,6 +238,7 @@ def configure(
     _flush_at_process_exit(handle)
     _replace_handle(handle)
     _state.runtime = runtime
+    _trace_process_pools(runtime.settings)
     if set_global:
         _set_globals(tracer_provider, meter_provider)
     if plan.file_path is not None:
@@ -476,9 +477,17 @@ def attach(
     )
     _replace_handle(handle)
     _state.runtime = runtime
+    _trace_process_pools(runtime.settings)
     if plan.file_path is not None:
         logger.info("stagetrace: writing OTLP JSON lines to %s", plan.file_path)
     return handle
+
+
+def _trace_process_pools(settings: Settings) -> None:
+    if settings.process_pools:
+        from stagetrace.integrations.processes import trace_process_pools
+
+        trace_process_pools()
 
 
 def _enable_gpu(runtime: Runtime, *, required: bool) -> None:

@@ -48,6 +48,20 @@ DELAYED_REQUESTS = "stagetrace.delayed_requests"  # on a blocking stage and its 
 ROOT_SHIFTED_MS = "stagetrace.root.shifted_ms"  # how far the root's start moved back
 ROOT_FRAMEWORK_START_NS = "stagetrace.root.framework_start_ns"  # the framework's own start (epoch ns), kept
 LOOP_ARRIVAL_BOUND_MS = "stagetrace.loop.arrival_bound_ms"  # at most this much earlier its bytes may have come
+# work handed to another process (a process pool): on the offload stage, and on the stages that ran in a worker
+OFFLOAD_EXECUTOR = "stagetrace.offload.executor"
+OFFLOAD_MAX_WORKERS = "stagetrace.offload.max_workers"
+OFFLOAD_IN_FLIGHT = "stagetrace.offload.in_flight"
+OFFLOAD_ARGS_BYTES = "stagetrace.offload.args_bytes"
+OFFLOAD_RESULT_BYTES = "stagetrace.offload.result_bytes"
+OFFLOAD_START_METHOD = "stagetrace.offload.start_method"
+OFFLOAD_WORKER_PID = "stagetrace.offload.worker_pid"
+OFFLOAD_WORKER_TASK_SEQ = "stagetrace.offload.worker_task_seq"
+WORKER_PID = "stagetrace.worker.pid"  # on a stage that ran in a pool's worker (offload.run and the worker's own)
+# An offload stage's children, in the order they happen: the wait for a worker, the arguments' way there, the
+# worker's run (its own stages under it), the result's way back.
+OFFLOAD_QUEUE_STAGE, OFFLOAD_SEND_STAGE = "offload.queue", "offload.send"
+OFFLOAD_RUN_STAGE, OFFLOAD_RETURN_STAGE = "offload.run", "offload.return"
 
 # --- verdict attributes, on the trace's local root span --------------------------------------------------
 TOTAL_MS = "stagetrace.total_ms"
@@ -98,6 +112,8 @@ METRIC_BATCH_SIZE = "stagetrace.batch.size"
 METRIC_BATCH_FILL = "stagetrace.batch.fill"
 METRIC_STREAM_FIRST_CHUNK = "stagetrace.stream.first_chunk.duration"
 METRIC_STREAM_CHUNK_GAP = "stagetrace.stream.chunk_gap"
+METRIC_OFFLOAD_QUEUE = "stagetrace.offload.queue.duration"
+METRIC_OFFLOAD_TRANSFER = "stagetrace.offload.transfer.size"
 # OpenTelemetry's GenAI server metrics (seconds), for requests that say they serve a generative model
 METRIC_GEN_AI_TTFT = "gen_ai.server.time_to_first_token"
 METRIC_GEN_AI_TPOT = "gen_ai.server.time_per_output_token"
@@ -108,6 +124,7 @@ HTTP_ROUTE = "http.route"
 DIAGNOSIS_CODE = "code"
 DROP_REASON = "reason"
 HW_ID = "hw.id"
+DIRECTION = "direction"  # an offload's transfer: send (the arguments) or return (the result)
 
 # --- one table per fact: what each record field becomes on a span, read back by `stagetrace report` ------
 
@@ -116,6 +133,8 @@ HW_ID = "hw.id"
 # Bucket edges in ms for the latency histograms: request pipelines live between ~0.1 ms stages and
 # multi-second slow traces. A stream's gaps are counted on them where they happen (capture/streams.py).
 MS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 200, 300, 500, 750, 1000, 1500, 2500, 5000, 10000)
+# An offload's pickled arguments or result: 1 KiB to 1 GiB by fours (IPC_BOUND's megabyte mark is an edge).
+BYTE_BUCKETS = tuple(float(4**k * 1024) for k in range(11))
 
 # A composite stage: the occurrences of a repeated stage folded into one span (after the first few, which
 # stay spans of their own), and the slowest of them kept whole as a span marked as the example.
@@ -137,6 +156,19 @@ STAGE_SIGNALS: tuple[tuple[str, str, type], ...] = (
     ("h2d_pinned", H2D_PINNED, bool),
     ("gpu_utilization", GPU_UTILIZATION, float),
     ("queue_saturated", QUEUE_SATURATED, bool),
+    ("worker_pid", WORKER_PID, int),
+)
+
+# The offload stage's facts of the call: (analysis.offload.OffloadInfo field, span attribute, value type).
+OFFLOAD_FIELDS: tuple[tuple[str, str, type], ...] = (
+    ("executor", OFFLOAD_EXECUTOR, str),
+    ("max_workers", OFFLOAD_MAX_WORKERS, int),
+    ("in_flight", OFFLOAD_IN_FLIGHT, int),
+    ("args_bytes", OFFLOAD_ARGS_BYTES, int),
+    ("result_bytes", OFFLOAD_RESULT_BYTES, int),
+    ("start_method", OFFLOAD_START_METHOD, str),
+    ("worker_pid", OFFLOAD_WORKER_PID, int),
+    ("worker_task_seq", OFFLOAD_WORKER_TASK_SEQ, int),
 )
 
 # A streamed response on its local root: (StreamSummary field, span attribute, value type, digits kept).
@@ -220,7 +252,7 @@ FOREIGN_STAGES: dict[tuple[str, str], str] = {
 }
 
 # Stage kinds, in pipeline order.
-STAGE_KINDS = ("cpu", "io", "wait", "h2d", "gpu", "d2h")
+STAGE_KINDS = ("cpu", "io", "wait", "h2d", "gpu", "d2h", "offload")
 GPU_KINDS = frozenset({"h2d", "gpu", "d2h"})
 
 INSTRUMENTATION_NAME = "stagetrace"
@@ -295,6 +327,41 @@ ATTRIBUTE_REFERENCE: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     (GPU_PLACEMENT_CLAMPED, "boolean", ("stage",), "the GPU stage's placement was moved back inside the trace"),
     (QUEUE_SATURATED, "boolean", ("stage",), "on a wait stage: every worker was busy when the request queued"),
     (LATE, "boolean", ("stage",), "the stage ended after the trace's root (left out of the verdict)"),
+    (
+        OFFLOAD_EXECUTOR,
+        "string",
+        ("stage",),
+        "on an offload stage: the pool (`ProcessPoolExecutor`, `multiprocessing.Pool`)",
+    ),
+    (OFFLOAD_MAX_WORKERS, "int", ("stage",), "on an offload stage: the pool's worker processes"),
+    (OFFLOAD_IN_FLIGHT, "int", ("stage",), "on an offload stage: calls in the pool at submission, this one included"),
+    (
+        OFFLOAD_ARGS_BYTES,
+        "int",
+        ("stage",),
+        "on an offload stage: the arguments' size (their arrays' and tensors' `nbytes` where larger, the pickled "
+        "size otherwise)",
+    ),
+    (OFFLOAD_RESULT_BYTES, "int", ("stage",), "on an offload stage: the result's pickled size"),
+    (
+        OFFLOAD_START_METHOD,
+        "string",
+        ("stage",),
+        "on an offload stage: how the pool starts workers (fork, spawn, forkserver)",
+    ),
+    (OFFLOAD_WORKER_PID, "int", ("stage",), "on an offload stage: the worker process that ran the call"),
+    (
+        OFFLOAD_WORKER_TASK_SEQ,
+        "int",
+        ("stage",),
+        "on an offload stage: the call's place among the worker's tasks (1: its first)",
+    ),
+    (
+        WORKER_PID,
+        "int",
+        ("stage",),
+        "on a stage that ran in a pool's worker process (`offload.run` and the worker's own stages)",
+    ),
     (BATCH_ID, "string", ("stage", "batch"), "on stages run by a dynamic batch, and on its span: which batch"),
     (BATCH_SIZE, "int", ("stage", "batch"), "the batch's member requests"),
     (BATCH_ITEMS, "int", ("stage", "batch"), "the batch's items (a request may bring several)"),
@@ -505,6 +572,8 @@ METRIC_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     METRIC_BATCH_FILL: (STAGE,),
     METRIC_STREAM_FIRST_CHUNK: (HTTP_ROUTE, STREAM_FIRST_CHUNK_BOTTLENECK),
     METRIC_STREAM_CHUNK_GAP: (HTTP_ROUTE, STREAM_GAP_BOTTLENECK),
+    METRIC_OFFLOAD_QUEUE: (OFFLOAD_EXECUTOR, STAGE),
+    METRIC_OFFLOAD_TRANSFER: (OFFLOAD_EXECUTOR, STAGE, DIRECTION),
     METRIC_GEN_AI_TTFT: GEN_AI_METRIC_ATTRIBUTES,
     METRIC_GEN_AI_TPOT: GEN_AI_METRIC_ATTRIBUTES,
     METRIC_GEN_AI_REQUEST_DURATION: (*GEN_AI_METRIC_ATTRIBUTES, ERROR_TYPE),
@@ -514,6 +583,7 @@ METRIC_ATTRIBUTE_REFERENCE: tuple[tuple[str, str], ...] = (
     (DIAGNOSIS_CODE, "a rule's code"),
     (DROP_REASON, "why stagetrace dropped something (the reasons below)"),
     (HW_ID, "the GPU's UUID, as NVML knows it"),
+    (DIRECTION, "an offload's transfer: `send` (the arguments) or `return` (the result)"),
 )
 
 # The reasons `stagetrace.dropped` counts under (its `reason` attribute). The docs build finds every reason the
@@ -540,4 +610,8 @@ DROP_REASONS: dict[str, str] = {
     "batch_ticket_reused": "a batch ticket used a second time, left out of the batch",
     "batch_ticket_late": "a batch reaching a request that had already ended",
     "batch_not_a_ticket": "something passed to `batch()` that is not a ticket from `enqueue()`",
+    "offload_late": "a worker's report of an offloaded call that came after its request ended",
+    "offload_unknown": "a worker's report of a call this process did not submit (a pool shared across a fork)",
+    "offload_in_flight": "offloaded calls past `MAX_OFFLOADS_IN_FLIGHT` awaiting their worker (the oldest give way)",
+    "offload_malformed": "a worker's report of a shape this version does not read",
 }

@@ -139,6 +139,13 @@ class Runtime:
             )
         return InlineTransport(shipper, ExporterCore(self.settings, self.local))
 
+    def stand_down(self) -> None:
+        """In a process pool's worker forked from this process: nothing here ships or samples (the worker's
+        calls report to the parent through their results, ``capture/worker.py``)."""
+        self.shipper.stand_down()
+        if self.gil_sampler is not None:
+            self.gil_sampler.stop()  # its thread did not survive the fork; this keeps it from restarting
+
     def shutdown_samplers(self) -> None:
         if self.gil_sampler is not None:
             self.gil_sampler.stop()

@@ -41,6 +41,7 @@ ARRIVAL_LOOKBACK_NS = 1_000_000_000  # how far before an arrival the exporter lo
 GIL_MIN_SAMPLES = 3  # GIL-pressure wake-ups a trace's window needs before the pressure counts as measured
 SIGNALS_WAIT_S = 0.3  # how long the helper thread holds a trace for the GIL monitor's first wake-up after its end
 MAX_WORKER_RUNS = 256  # runs of a request's code on worker threads kept per trace (own time, not loop wait)
+MAX_OFFLOADS_IN_FLIGHT = 4096  # calls handed to process pools awaiting their worker's report (the oldest give way)
 MAX_BLOCKED_BY = 8  # blocking stages named in stagetrace.blocked_by
 # Occurrences of one stage name under one parent kept as stages of their own; the rest fold into a composite.
 KEEP_REPEATS = 3
@@ -146,6 +147,9 @@ class Settings:
     shutdown_timeout_s: float = 5.0
     record_query_strings: bool = field(default_factory=lambda: env_flag("STAGETRACE_RECORD_QUERY_STRINGS"))
     cpu_signals: bool = True  # per-stage on-CPU / run-queue / blocked time (two schedstat reads per stage)
+    # Calls a traced request hands to a process pool as offload stages, the worker's stages under them
+    # (integrations/processes.py: ProcessPoolExecutor, multiprocessing.Pool, patched at class level).
+    process_pools: bool = field(default_factory=lambda: not env_flag("STAGETRACE_NO_PROCESS_POOLS"))
     gil_sampler_period_s: float = 0.010  # 0 turns the GIL-pressure monitor off
     # The longest a thread waiting for the GIL sleeps at a stretch (the application's switch interval; 0 without
     # a GIL, None where unknown), for ``common.schedstat.not_gil_ms``; read when stagetrace is configured.
@@ -190,8 +194,10 @@ class Settings:
         return self.slow_threshold_ms
 
     def stream_thresholds_for(self, route: str | None) -> StreamThresholds:
-        first = self.route_first_chunk_thresholds_ms.get(route or "", self.stream_first_chunk_threshold_ms)
-        gap = self.route_gap_thresholds_ms.get(route or "", self.stream_gap_threshold_ms)
+        first, gap = self.stream_first_chunk_threshold_ms, self.stream_gap_threshold_ms
+        if route is not None:
+            first = self.route_first_chunk_thresholds_ms.get(route, first)
+            gap = self.route_gap_thresholds_ms.get(route, gap)
         return StreamThresholds(self.threshold_for(route) if first is None else first, gap)
 
     def validate(self) -> Settings:
@@ -278,6 +284,11 @@ ENVIRONMENT_REFERENCE: tuple[tuple[str, str, str], ...] = (
         "every stagetrace call becomes a no-op; OpenTelemetry's `OTEL_SDK_DISABLED=true` does the same",
     ),
     (
+        "STAGETRACE_NO_PROCESS_POOLS",
+        "`true` (also `1`, `yes`, `on`); default off",
+        "calls handed to process pools are not traced as offload stages (`Settings.process_pools`)",
+    ),
+    (
         "STAGETRACE_OUTPUT_DIR",
         "a directory; default `./stagetrace-out`",
         "where the embedded default (nothing configured) writes its OTLP JSON lines",
@@ -341,6 +352,7 @@ SETTINGS_REFERENCE: dict[str, str] = {
     "shutdown_timeout_s": "the deadline for flushing at shutdown",
     "record_query_strings": "keep query strings on the local root (`STAGETRACE_RECORD_QUERY_STRINGS`)",
     "cpu_signals": "per-stage on-CPU, run-queue and blocked time (two schedstat reads a stage)",
+    "process_pools": "calls handed to process pools traced as offload stages (off: `STAGETRACE_NO_PROCESS_POOLS=1`)",
     "gil_sampler_period_s": "the GIL monitor's period while a trace is in flight; 0 turns it off",
     "gil_wait_bound_s": "the longest a thread waiting for the GIL sleeps at a stretch (the switch interval)",
     "loop_lag_interval_s": "the event-loop lag monitor's period",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from trace_builders import MS, cpu, run
+from trace_builders import MS, cpu, offload, run
 
 from conftest import rules_that_cannot_fire
 from stagetrace.analysis import BatchInfo, DiagnosisThresholds, StageSample, TraceSignals, analyse_trace
@@ -216,6 +216,10 @@ def firing_cases():
         "STREAM_CPU_BOUND": (STREAM_STAGES, TraceSignals(stream=streamed())),
         "SLOW_CONSUMER": (STREAM_STAGES, TraceSignals(stream=streamed(send_wait_ms=40.0))),
         "STREAM_STALL": (STREAM_STAGES, TraceSignals(stream=streamed(gap_max_ms=150.0))),
+        "POOL_SATURATED": (offload(queue=40, in_flight=5), TraceSignals()),
+        "IPC_BOUND": (offload(send=20, ret=10), TraceSignals()),
+        "WORKER_OVERSUBSCRIBED": (offload(run=40, run_fields={"runqueue_ms": 20.0}), TraceSignals()),
+        "WORKER_COLD_START": (offload(queue=60, seq=1), TraceSignals()),
     }
 
 

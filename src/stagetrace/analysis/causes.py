@@ -9,7 +9,7 @@ import enum
 from collections.abc import Callable, Sequence
 
 from stagetrace.analysis.model import StageLike
-from stagetrace.analysis.signals import TraceSignals
+from stagetrace.analysis.signals import NO_SIGNALS, TraceSignals
 from stagetrace.analysis.thresholds import DiagnosisThresholds
 
 # The DiagnosisThresholds fields the blocked-cause classifier reads: every rule that names a cause from it
@@ -273,7 +273,7 @@ class JudgedStages(list[StageLike]):
     def causes(self) -> StageCauses:
         if self._causes is None:
             sig, th = self.signals, self.thresholds
-            self._causes = tuple((s, blocked_cause(s, sig, th)) for s in cpu_stages(self, th))
+            self._causes = tuple((s, blocked_cause(s, signals_of(s, sig), th)) for s in cpu_stages(self, th))
         return self._causes
 
 
@@ -283,7 +283,13 @@ def blocked_causes(stages: Sequence[StageLike], sig: TraceSignals, th: Diagnosis
     can change what the next one reads); anything else is classified afresh."""
     if isinstance(stages, JudgedStages) and stages.signals is sig and stages.thresholds is th:
         return stages.causes()
-    return tuple((s, blocked_cause(s, sig, th)) for s in cpu_stages(stages, th))
+    return tuple((s, blocked_cause(s, signals_of(s, sig), th)) for s in cpu_stages(stages, th))
+
+
+def signals_of(s: StageLike, sig: TraceSignals) -> TraceSignals:
+    """The signals a stage is judged with: the trace's, or none of them for a stage a pool's worker ran (this
+    process's GIL, threads and load were not beside it; its own CPU readings are its signals)."""
+    return sig if s.worker_pid is None else NO_SIGNALS
 
 
 # The part of a blocked stage's time each cause accounts for (what ranks the stages of one cause).

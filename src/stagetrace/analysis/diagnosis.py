@@ -35,6 +35,8 @@ from stagetrace.analysis.causes import (
 )
 from stagetrace.analysis.loopwait import split_blocker
 from stagetrace.analysis.model import StageLike, occurrences_ms
+from stagetrace.analysis.offload import QUEUE as OFFLOAD_QUEUE
+from stagetrace.analysis.offload import RUN, offload_calls
 from stagetrace.analysis.signals import NO_SIGNALS, TraceSignals
 from stagetrace.analysis.thresholds import DiagnosisThresholds
 from stagetrace.conventions import EVENT_LOOP_WAIT, GPU_KINDS
@@ -203,7 +205,7 @@ def _waited_for_cpu(stages: Stages, sig: TraceSignals, th: DiagnosisThresholds) 
     hits = [
         (s, preempted)
         for s, cause in blocked_causes(stages, sig, th)
-        if (preempted := cause == PREEMPTED_HOLDERS) or waited_for_cpu(s, th)
+        if s.worker_pid is None and ((preempted := cause == PREEMPTED_HOLDERS) or waited_for_cpu(s, th))
     ]
     if not hits:
         return None
@@ -329,6 +331,11 @@ def _queued_ms(s: StageLike) -> float:
     return occurrences_ms(s)
 
 
+# The event-loop wait is EVENT_LOOP_BLOCKED's (no worker pool to grow there), a process pool's POOL_SATURATED's
+# and WORKER_COLD_START's.
+_NOT_QUEUES = frozenset({EVENT_LOOP_WAIT, OFFLOAD_QUEUE})
+
+
 def queueing(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: DiagnosisThresholds) -> Finding:
     # A wait measured while its pool had free capacity is dispatch latency (often GIL contention), not a
     # queue: only waits not known to be unsaturated count.
@@ -336,7 +343,7 @@ def queueing(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: DiagnosisT
     waits = [
         s
         for s in stages
-        if s.kind == "wait" and s.queue_saturated is not False and s.name != EVENT_LOOP_WAIT and _queued_ms(s) > 0
+        if s.kind == "wait" and s.queue_saturated is not False and s.name not in _NOT_QUEUES and _queued_ms(s) > 0
     ]
     wait_ms = sum(_queued_ms(s) for s in waits)
     if wait_ms < th.queueing_ms or a.total_ms <= 0 or wait_ms < th.queueing_share * a.total_ms:
@@ -345,6 +352,102 @@ def queueing(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: DiagnosisT
     return Found(
         f"the request queued {wait_ms:.1f} ms ({wait_ms / a.total_ms:.0%}) in {', '.join(names)}",
         max(names, key=lambda n: a.breakdown.get(n, 0.0)) if names else None,
+    )
+
+
+def pool_saturated(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: DiagnosisThresholds) -> Finding:
+    """Calls handed to a process pool waited for a worker while every worker was busy."""
+    calls = [call for call in offload_calls(stages) if call.saturated and call.queue_ms > 0]
+    queued = sum(call.queue_ms for call in calls)
+    if (
+        not calls
+        or a.total_ms <= 0
+        or queued < th.pool_saturated_min_ms
+        or queued < th.pool_saturated_share * a.total_ms
+    ):
+        return None
+    worst = max(calls, key=lambda call: call.queue_ms)
+    info = worst.info
+    more = f" over {len(calls)} calls" if len(calls) > 1 else ""
+    return Found(
+        f"'{worst.name}' waited {queued:.1f} ms{more} ({queued / a.total_ms:.0%} of the request) for a worker of "
+        f"its {info.executor}",
+        worst.name,
+        f"{info.in_flight} calls were in the pool for its {info.max_workers} workers when it was submitted",
+    )
+
+
+def ipc_bound(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: DiagnosisThresholds) -> Finding:
+    """Moving calls' arguments to a process pool's worker and their results back took much of the request, or a
+    call moved megabytes."""
+    calls = offload_calls(stages)
+    if not calls or a.total_ms <= 0:
+        return None
+    transfer = sum(call.transfer_ms for call in calls)
+    if transfer < th.ipc_min_ms:
+        return None
+    heavy = any(call.payload_bytes >= th.ipc_payload_bytes for call in calls)
+    if transfer < th.ipc_share * a.total_ms and not heavy:
+        return None
+    worst = max(calls, key=lambda call: (call.transfer_ms, call.payload_bytes))
+    info = worst.info
+    sizes = []
+    if info.args_bytes is not None:
+        sizes.append(f"{_size(info.args_bytes)} there")
+    if info.result_bytes is not None:
+        sizes.append(f"{_size(info.result_bytes)} back")
+    return Found(
+        f"handing '{worst.name}' its arguments and taking its result back took {transfer:.1f} ms "
+        f"({transfer / a.total_ms:.0%} of the request): {worst.send_ms:.1f} ms there, {worst.return_ms:.1f} ms back",
+        worst.name,
+        f"{' and '.join(sizes)} a call" if sizes else None,
+    )
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} B"
+
+
+def worker_oversubscribed(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: DiagnosisThresholds) -> Finding:
+    """A process pool's worker waited for a CPU while it ran a call (its own run queue, in its process)."""
+    hits = [s for s in stages if s.worker_pid is not None and s.kind == "cpu" and s.wall_ms >= th.min_stage_ms]
+    hits = [s for s in hits if waited_for_cpu(s, th)]
+    if not hits:
+        return None
+    # The worker's own stages name the code that waited; its run (which holds them) only where none did.
+    own = [s for s in hits if s.name != RUN] or hits
+    worst = max(own, key=lambda s: s.runqueue_ms or 0.0)
+    evidence = None
+    load = sig.load
+    calls = offload_calls(stages)
+    workers = next((call.info.max_workers for call in calls if call.info.max_workers is not None), None)
+    if load is not None and workers is not None:
+        evidence = (
+            f"{workers} workers beside the application's {load.runnable:.1f} threads running or waiting for a CPU, "
+            f"on {load.cpus} CPUs"
+        )
+    return Found(
+        f"'{worst.name}' in worker {worst.worker_pid} waited {worst.runqueue_ms or 0.0:.1f} ms of its "
+        f"{worst.wall_ms:.1f} ms for a CPU (run queue)",
+        worst.name,
+        evidence,
+    )
+
+
+def worker_cold_start(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: DiagnosisThresholds) -> Finding:
+    """A call was its worker's first task, and waited for the worker to start (not for a busy pool)."""
+    calls = [call for call in offload_calls(stages) if call.info.worker_task_seq == 1 and not call.saturated]
+    if not calls or a.total_ms <= 0:
+        return None
+    worst = max(calls, key=lambda call: call.queue_ms)
+    if worst.queue_ms < th.cold_start_min_ms or worst.queue_ms < th.cold_start_share * a.total_ms:
+        return None
+    info = worst.info
+    method = f", started by {info.start_method}" if info.start_method else ""
+    return Found(
+        f"'{worst.name}' was the first task of worker {info.worker_pid}{method}, and waited {worst.queue_ms:.1f} ms "
+        f"({worst.queue_ms / a.total_ms:.0%} of the request) for it to start",
+        worst.name,
     )
 
 
@@ -567,6 +670,50 @@ RULES: tuple[DiagnosisRule, ...] = (
             "batch size), scale out, or shed load earlier."
         ),
         thresholds=("queueing_ms", "queueing_share"),
+    ),
+    DiagnosisRule(
+        "POOL_SATURATED",
+        pool_saturated,
+        advice=(
+            "Every worker of the process pool was busy, and calls queued for one. Give the pool more workers (up "
+            "to the CPUs the service has, less what the application's own threads need), make each call shorter "
+            "(less work a task, smaller chunks), or shed load before the pool; where the workers wait for CPUs "
+            "themselves (WORKER_OVERSUBSCRIBED) more workers will not help."
+        ),
+        thresholds=("pool_saturated_share", "pool_saturated_min_ms"),
+    ),
+    DiagnosisRule(
+        "IPC_BOUND",
+        ipc_bound,
+        advice=(
+            "Moving the call's data to the worker and back costs much of what the worker saves. Send less: the "
+            "encoded bytes (the JPEG, not the decoded array), a path or a key the worker reads itself, or shared "
+            "memory for large arrays (multiprocessing.shared_memory, a torch tensor's share_memory_()); return "
+            "only what the request needs; batch small calls (Executor.map with a chunksize)."
+        ),
+        thresholds=("ipc_share", "ipc_min_ms", "ipc_payload_bytes"),
+    ),
+    DiagnosisRule(
+        "WORKER_OVERSUBSCRIBED",
+        worker_oversubscribed,
+        advice=(
+            "The pool's workers waited for a CPU: workers times the threads each runs outnumber the CPUs. Cap "
+            "each worker's intra-op threads in the pool's initializer (torch.set_num_threads(1); OMP_NUM_THREADS=1 "
+            "in the workers' environment) and size the pool to the CPUs left beside the application."
+        ),
+        requires=frozenset({Signal.STAGE_CPU}),
+        thresholds=("min_stage_ms", "runqueue_share", "runqueue_min_ms"),
+    ),
+    DiagnosisRule(
+        "WORKER_COLD_START",
+        worker_cold_start,
+        advice=(
+            "The call paid for its worker's start (a new process and its imports: torch alone takes seconds under "
+            "spawn). Start the pool and warm every worker before serving (an initializer that imports the heavy "
+            "modules, a no-op call a worker at start-up), prefer fork or forkserver with the modules preloaded, "
+            "and keep max_tasks_per_child from recycling workers under load."
+        ),
+        thresholds=("cold_start_share", "cold_start_min_ms"),
     ),
     DiagnosisRule(
         "BATCH_WAIT",

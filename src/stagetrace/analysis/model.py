@@ -115,6 +115,10 @@ class StageLike(Protocol):
     def wall_ms(self) -> float: ...
     @property
     def compressed(self) -> CompressedInfo | None: ...
+    @property
+    def worker_pid(self) -> int | None: ...
+    @property
+    def offload(self) -> Any: ...  # analysis.offload.OffloadInfo on a call handed to a process pool
 
 
 @dataclass(slots=True, eq=False)
@@ -151,6 +155,8 @@ class StageSample:
     batch: BatchInfo | None = None  # for stages of a dynamic batch
     compressed: CompressedInfo | None = None  # a composite of repeated occurrences
     example: bool = False  # a composite's slowest occurrence, exported beside it (never analysed)
+    worker_pid: int | None = None  # it ran in this pool worker process (an offload's run and its stages)
+    offload: Any = None  # analysis.offload.OffloadInfo, on a call handed to a process pool
 
     @property
     def wall_ms(self) -> float:

@@ -60,6 +60,18 @@ class DiagnosisThresholds:
     slow_consumer_min_ms: float = 20.0  # ... and at least this long (SLOW_CONSUMER)
     stream_stall_factor: float = 10.0  # the longest gap at least this many times the median ...
     stream_stall_min_ms: float = 100.0  # ... and at least this long (STREAM_STALL)
+    # Calls handed to a process pool (the offload rules): a wait for a worker with every worker busy, of at least
+    # pool_saturated_min_ms and pool_saturated_share of the request (POOL_SATURATED); the arguments' and
+    # result's way there and back of at least ipc_min_ms and ipc_share, or a call moving ipc_payload_bytes or more
+    # (IPC_BOUND); a worker's first task waiting at least cold_start_min_ms and cold_start_share for it to start
+    # (WORKER_COLD_START). The worker's own wait for a CPU reads runqueue_share and runqueue_min_ms.
+    pool_saturated_share: float = 0.25
+    pool_saturated_min_ms: float = 10.0
+    ipc_share: float = 0.25
+    ipc_min_ms: float = 5.0
+    ipc_payload_bytes: int = 1 << 20
+    cold_start_share: float = 0.25
+    cold_start_min_ms: float = 50.0
 
     @classmethod
     def silent(cls) -> DiagnosisThresholds:
@@ -81,4 +93,7 @@ class DiagnosisThresholds:
             batch_wait_min_ms=math.inf,
             batch_underfilled_fill=-1.0,
             stream_min_chunks=1 << 62,
+            pool_saturated_min_ms=math.inf,
+            ipc_min_ms=math.inf,
+            cold_start_min_ms=math.inf,
         )

@@ -8,6 +8,7 @@ from typing import Any
 
 from stagetrace.analysis.breakdown import TraceAnalysis
 from stagetrace.analysis.diagnosis import Diagnosis
+from stagetrace.analysis.offload import OffloadedCall
 from stagetrace.analysis.signals import ProcessLoad, TraceSignals
 from stagetrace.analysis.streams import StreamSummary, StreamThresholds, judge_phases
 from stagetrace.conventions import SLOW_TOTAL, UNTRACKED
@@ -49,6 +50,7 @@ class Verdict:
     delayed_requests: int | None = None  # other requests on its loop while its own sync stages held it
     stream: StreamSummary | None = None  # its response streamed: chunks, time to the first, gaps, phases
     gen_ai: Mapping[str, Any] | None = None  # the generative model it served (gen_ai.* attributes), if said
+    offloads: tuple[OffloadedCall, ...] = ()  # the calls it handed to process pools, as the rules read them
     # the process's load over the trace (TraceSignals.load): its CPUs, the CPUs it used, its threads running or
     # queued for a CPU, the requests in flight (on average)
     process_cpus: int | None = None
@@ -79,6 +81,7 @@ def build_verdict(
     delayed_requests: int | None = None,
     gen_ai: Mapping[str, Any] | None = None,
     stream_thresholds: StreamThresholds | None = None,
+    offloads: tuple[OffloadedCall, ...] = (),
 ) -> Verdict:
     """``stream_thresholds``: how a streamed response (``signals.stream``) is judged slow, by its phases and
     not its length; without them, or for a response not streamed, by its total (``analysis.slow``)."""
@@ -120,6 +123,7 @@ def build_verdict(
         stage_kinds=analysis.stage_kinds,
         stream=stream,
         gen_ai=gen_ai or None,
+        offloads=offloads,
         **_load_fields(signals.load if signals else None),
     )
 

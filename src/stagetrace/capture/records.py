@@ -6,13 +6,15 @@ cheap to build.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from opentelemetry.trace import NonRecordingSpan, SpanContext
 
+from stagetrace.common.wire import as_example, pack_stage
 from stagetrace.settings import (
     KEEP_REPEATS,
     MAX_ATTRIBUTE_VALUE_LENGTH,
@@ -134,6 +136,8 @@ class StageRecord(SpanContextOnDemand, NonRecordingSpan):
     repeat: Repeat | None = None  # the composite this occurrence folds into (decided at its entry)
     compressed: tuple[int, int, int, int] | None = None  # on a composite: occurrences, summed, least, most ns
     example = False  # the slowest of a composite's occurrences, shipped for export only
+    worker_pid: int | None = None  # set on the stages a pool's worker recorded (capture/worker.py)
+    offload: tuple[Any, ...] | None = None  # analysis.offload.OffloadFields, on a call handed to a process pool
 
     def __init__(
         self,
@@ -219,7 +223,7 @@ class Repeat:
 
     # The shipped fields (common.wire.STAGE_FIELDS) a composite has no value for; no CUDA events of its own.
     cpu_start = cpu_end = attributes = gpu_ms = gpu_utilization = h2d_bytes = h2d_pinned = None
-    queue_saturated = gpu = None
+    queue_saturated = gpu = worker_pid = offload = None
     example = False
     gpu_resolved = True
 
@@ -340,6 +344,26 @@ def count_repeat(trace: TraceRecord, rec: StageRecord, new_span_id: Any) -> None
         repeat.span_id = new_span_id(64) or 1  # before folding is set: enter_stage reads it without the lock
         repeat.folding = True
         trace.stages.append(repeat)  # type: ignore[arg-type]  # a stage to the shipper, as a composite
+
+
+def pack_stages(stages: list[Any], pack: Callable[[Any], tuple[Any, ...]] = pack_stage) -> tuple[tuple[Any, ...], ...]:
+    """A trace's stages as wire tuples: a composite of repeated occurrences (once anything folded into it)
+    with its slowest occurrence as the example span, one not folded into yet left out (its occurrences are
+    stages of their own). A trace without composites, the usual one, is packed in one C-level pass."""
+    if Repeat not in map(type, stages):
+        return tuple(map(pack, stages))
+    out = []
+    for rec in stages:
+        if type(rec) is not Repeat:
+            out.append(pack(rec))
+        elif rec.folded:
+            out.append(pack(rec))
+            if rec.slowest is not None:
+                out.append(as_example(pack(rec.slowest), _new_span_id(64) or 1))
+    return tuple(out)
+
+
+_new_span_id = random.getrandbits  # for the example span of a composite (its occurrence shared the composite's id)
 
 
 class TraceRecord:

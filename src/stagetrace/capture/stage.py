@@ -13,7 +13,7 @@ import random
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from opentelemetry.context import Context, attach, create_key, detach, get_current
 from opentelemetry.trace import Status, StatusCode, set_span_in_context
@@ -421,6 +421,39 @@ def add_stage(name: str, kind: str, start_ns: int, end_ns: int, **fields: Any) -
         for key, value in fields.items():
             setattr(rec, key, value)
         exit_stage(rec, None, end_ns)
+
+
+class Parent(NamedTuple):
+    """Where something that happens later, elsewhere (a call handed to a process pool), belongs: the
+    request's trace record and the span and stage current now."""
+
+    trace: Any  # capture.records.TraceRecord
+    trace_id: int
+    span_id: int
+    stage_id: int  # the innermost open stage of this trace, 0 for none
+    trace_flags: int
+
+
+def current_parent(rt: Any) -> Parent | None:
+    """The current context's place in a trace this process holds; None outside one (a lookup and a branch)."""
+    ctx = _get_context()
+    span = ctx.get(_SPAN_KEY)
+    if span is None:
+        return None
+    span_type = type(span)
+    if span_type is StageRecord or span_type is LightSpan:
+        trace_id, span_id, flags = span.trace_id, span.span_id, span.trace_flags
+    else:
+        sc = span.get_span_context()
+        if not sc.is_valid:
+            return None
+        trace_id, span_id, flags = sc.trace_id, sc.span_id, sc.trace_flags
+    trace = rt.lookup_trace(trace_id)
+    if trace is None:
+        return None
+    stage = ctx.get(_STAGE_KEY)
+    stage_id = stage.span_id if stage is not None and stage.trace_id == trace_id else 0
+    return Parent(trace, trace_id, span_id, stage_id, int(flags) if flags is not None else 0)
 
 
 def current_stage() -> StageRecord | None:

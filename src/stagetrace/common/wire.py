@@ -19,6 +19,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
 from stagetrace.analysis.model import BatchInfo, CompressedInfo, batch_info, compressed_info
+from stagetrace.analysis.offload import offload_fields
 from stagetrace.analysis.streams import StreamFields, stream_fields
 from stagetrace.conventions import BATCH_INDEX, BATCH_ITEMS
 
@@ -60,6 +61,8 @@ STAGE_FIELDS = (
     "batch",
     "compressed",  # a composite of repeated occurrences: (count, summed ns, least ns, most ns); else None
     "example",  # the slowest occurrence of a composite: exported, but its time is the composite's
+    "worker_pid",  # the stage ran in this pool worker process (offload.run's stages); None: in the application
+    "offload",  # a call handed to a process pool: analysis.offload.OffloadFields as a plain tuple; else None
 )
 pack_stage = attrgetter(*STAGE_FIELDS)
 """A capture record (or anything with these attributes) as its wire tuple."""
@@ -109,6 +112,8 @@ class ShippedStage:
     batch: BatchInfo | None
     compressed: CompressedInfo | None
     example: bool
+    worker_pid: int | None
+    offload: Any  # OffloadFields as shipped; OffloadInfo once the exporter placed its children (exporter/offload.py)
 
     def __init__(self, fields: Sequence[Any]) -> None:
         if len(fields) != len(STAGE_FIELDS):
@@ -120,6 +125,10 @@ class ShippedStage:
             self.batch = batch_info(self.batch)
         if self.compressed is not None:
             self.compressed = compressed_info(self.compressed)
+        if self.offload is not None:
+            self.offload = offload_fields(self.offload)
+        if self.worker_pid is not None and type(self.worker_pid) is not int:
+            raise ValueError("a stage record's worker pid must be an int")
         self.cpu_ms = self.runqueue_ms = self.blocked_ms = self.not_gil_ms = None
         self.others_runqueue_ms = self.others_cpu_ms = None
 

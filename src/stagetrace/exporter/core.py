@@ -22,6 +22,7 @@ from stagetrace.analysis import TraceSignals, Verdict, analyse_trace, build_verd
 from stagetrace.analysis.causes import blocked_enough
 from stagetrace.analysis.loopwait import blocker_entry, loop_waits, request_arrival
 from stagetrace.analysis.model import CompressedInfo
+from stagetrace.analysis.offload import offload_calls
 from stagetrace.analysis.streams import summarise_stream
 from stagetrace.common import wire
 from stagetrace.common.cpus import usable_cpus
@@ -31,6 +32,7 @@ from stagetrace.exporter.budget import AdjustedCounts, BudgetLimits, ExportBudge
 from stagetrace.exporter.foreign import as_stage_span, foreign_kind, link_enclosing_stages, split_foreign_stages
 from stagetrace.exporter.keep import Keep, PendingBatches, RecentDecisions, decide, in_healthy_share
 from stagetrace.exporter.metrics import MetricsSink, replay
+from stagetrace.exporter.offload import place_offloads
 from stagetrace.settings import (
     ARRIVAL_ADJACENT_NS,
     ARRIVAL_LOOKBACK_NS,
@@ -196,7 +198,7 @@ class ExporterCore:
 
     def _analyse_and_export(self, t: wire.ShippedTrace) -> None:
         trace_id, offset, root = t.trace_id, t.offset, t.root
-        stages = t.stages
+        stages = place_offloads(t.stages, self._new_span_id_nonzero)
         self._resolve_cpu(stages, offset)
         foreign, others = split_foreign_stages(t.others, offset)
         if foreign:
@@ -240,6 +242,7 @@ class ExporterCore:
             delayed_requests=_delayed_requests(analysed),
             gen_ai=generative(t.gen_ai, attrs),
             stream_thresholds=self.settings.stream_thresholds_for(route) if t.stream is not None else None,
+            offloads=tuple(offload_calls(analysed)),
         )
         errored = (
             root.status_code == _ERROR
@@ -303,8 +306,9 @@ class ExporterCore:
         if not t.flags & 1:
             self.decisions.remember(trace_id, kept=False)
             return
-        self._resolve_cpu(t.stages, t.offset)
-        out = [sp.stage_span(st, trace_id, t.offset, t.flags, t.state) for st in t.stages]
+        stages = place_offloads(t.stages, self._new_span_id_nonzero)
+        self._resolve_cpu(stages, t.offset)
+        out = [sp.stage_span(st, trace_id, t.offset, t.flags, t.state) for st in stages]
         out.extend(t.others)
         out.extend(sp.batch_spans(root, self._new_span_id_nonzero))
         errored = root.status_code == _ERROR or any(st.error for st in t.stages)
@@ -394,7 +398,8 @@ class ExporterCore:
         th = self.settings.thresholds
         for st in stages:
             sig.resolve_cpu(st, self._gil_wait_bound_ms)
-            if st.blocked_ms and blocked_enough(st, th):
+            # a worker's stage: this process's other threads were not beside it (its own process was)
+            if st.blocked_ms and st.worker_pid is None and blocked_enough(st, th):
                 sig.resolve_others(st, run_queue, cpu, offset)
 
     def _signals(

@@ -15,15 +15,19 @@ from typing import Any, Protocol
 
 from opentelemetry.context import Context
 from opentelemetry.metrics import Meter
-from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
+from opentelemetry.trace import INVALID_SPAN, NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
 from stagetrace import conventions as c
 from stagetrace.analysis import Verdict
+from stagetrace.analysis.offload import OffloadedCall
 from stagetrace.analysis.streams import GapHistogram, StreamSummary
-from stagetrace.conventions import MS_BUCKETS
+from stagetrace.conventions import BYTE_BUCKETS, MS_BUCKETS
 
 OVERFLOW_STAGE = "_other"
-_NO_SPAN = Context()
+# A context whose span is the invalid one, so that the SDK's exemplar filter finds no span at once. Not an
+# empty Context: that is falsy, and the SDK's instruments then read the thread's current context instead
+# (``context or get_current()``), where a span of the application may be current.
+_NO_SPAN = set_span_in_context(INVALID_SPAN)
 
 
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -78,6 +82,20 @@ STREAM_FIRST_CHUNK = Instrument(
 STREAM_CHUNK_GAP = Instrument(
     c.METRIC_STREAM_CHUNK_GAP, "histogram", "ms", "Time between consecutive chunks of a streamed response", MS_BUCKETS
 )
+OFFLOAD_QUEUE = Instrument(
+    c.METRIC_OFFLOAD_QUEUE,
+    "histogram",
+    "ms",
+    "A call handed to a process pool: its wait for a worker (offload.queue)",
+    MS_BUCKETS,
+)
+OFFLOAD_TRANSFER = Instrument(
+    c.METRIC_OFFLOAD_TRANSFER,
+    "histogram",
+    "By",
+    "A call handed to a process pool: its arguments' (send) or result's (return) pickled size",
+    BYTE_BUCKETS,
+)
 GEN_AI_TTFT = Instrument(
     c.METRIC_GEN_AI_TTFT,
     "histogram",
@@ -110,6 +128,8 @@ INSTRUMENTS = (
     BATCH_FILL,
     STREAM_FIRST_CHUNK,
     STREAM_CHUNK_GAP,
+    OFFLOAD_QUEUE,
+    OFFLOAD_TRANSFER,
     GEN_AI_TTFT,
     GEN_AI_TPOT,
     GEN_AI_REQUEST_DURATION,
@@ -229,7 +249,19 @@ class ContractMetrics:
                 merges.append((STREAM_CHUNK_GAP, gap_key, stream.gaps))
             if verdict.gen_ai:
                 observations.extend(gen_ai_observations(verdict, stream))
+        for call in verdict.offloads:
+            observations.extend(self._offload_observations(call))
         self._record_all(observations, additions, merges)
+
+    def _offload_observations(self, call: OffloadedCall) -> list[Observation]:
+        """A call's wait for a worker and its payloads' sizes, where they were measured (a call whose worker
+        never reported has no queue time, one whose result did not come back no result size)."""
+        key: Key = ((c.OFFLOAD_EXECUTOR, call.info.executor), (c.STAGE, self._stage_label(call.name)))
+        out: list[Observation] = [(OFFLOAD_QUEUE, key, call.queue_ms, None)] if call.reported else []
+        for direction, size in (("send", call.info.args_bytes), ("return", call.info.result_bytes)):
+            if size is not None:
+                out.append((OFFLOAD_TRANSFER, (*key, (c.DIRECTION, direction)), float(size), None))
+        return out
 
     def record_batch(self, name: str, size: int, fill: float | None) -> None:
         key = ((c.STAGE, self._stage_label(name)),)
@@ -252,7 +284,9 @@ def representative_values(buckets: tuple[float, ...], histogram: GapHistogram, l
     """Each counted value as its bucket's upper edge (the largest, its own maximum), scaled down to at most
     ``limit`` values in all."""
     total = sum(histogram.counts)
-    scale = min(1.0, limit / total) if total else 0.0
+    if not total:
+        return []
+    scale = min(1.0, limit / total)
     out: list[float] = []
     for index, count in enumerate(histogram.counts):
         edge = buckets[index] if index < len(buckets) else histogram.max_ms
@@ -300,7 +334,7 @@ class SdkInstruments(ContractMetrics):
                 made = meter.create_gauge(inst.name, unit=inst.unit, description=inst.description)
             self._instruments[inst.name] = made
         self._attributes: dict[Key, dict[str, Any]] = {}
-        self._last_exemplar: tuple[Exemplar | None, Context | None] = (None, None)
+        self._last_exemplar: tuple[Exemplar | None, Context] = (None, _NO_SPAN)
 
     def _attrs(self, key: Key) -> dict[str, Any]:
         attrs = self._attributes.get(key)
@@ -311,17 +345,17 @@ class SdkInstruments(ContractMetrics):
         return attrs
 
     def _observe(self, instrument: Instrument, key: Key, value: float, exemplar: Exemplar | None) -> None:
-        ctx = None
+        # Always an explicit context: without an exemplar (or with ids that are not valid) one with no span,
+        # never the thread's current context.
+        ctx = _NO_SPAN
         if exemplar is not None:
             last, last_ctx = self._last_exemplar
             if last == exemplar:
                 ctx = last_ctx
             else:
-                ctx = exemplar_context(exemplar)
+                ctx = exemplar_context(exemplar) or _NO_SPAN
                 self._last_exemplar = (exemplar, ctx)
-        # An explicit empty context: the exemplar filter then finds no span at once, without reading the
-        # thread's current context.
-        self._instruments[instrument.name].record(value, self._attrs(key), context=ctx or _NO_SPAN)
+        self._instruments[instrument.name].record(value, self._attrs(key), context=ctx)
 
     def _add(self, instrument: Instrument, key: Key, amount: int) -> None:
         self._instruments[instrument.name].add(amount, self._attrs(key))

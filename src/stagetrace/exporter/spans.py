@@ -28,6 +28,14 @@ def stage_attributes(stage: Any, extra: dict[str, Any] | None = None) -> dict[st
             attrs[key] = value
     if stage.on_event_loop:
         attrs[c.ON_EVENT_LOOP] = True
+    info = stage.offload
+    if info is not None:
+        for field_name, key, _ in c.OFFLOAD_FIELDS:
+            value = getattr(info, field_name)
+            if value is not None:
+                attrs[key] = value
+        if stage.error:
+            attrs[c.ERROR_TYPE] = stage.error[0]  # as a failed call's span says it (the worker died: BrokenProcessPool)
     if stage.batch is not None:
         attrs.update(batch_attributes(stage))
     folded = stage.compressed
@@ -207,7 +215,7 @@ def strip_query_strings(attributes: dict[str, Any]) -> None:
     for key in _QUERY_BEARING:
         value = attributes.get(key)
         if isinstance(value, str) and "?" in value:
-            attributes[key] = value.split("?", 1)[0]
+            attributes[key] = value.partition("?")[0]
     for key in _QUERY_ONLY:
         attributes.pop(key, None)
 

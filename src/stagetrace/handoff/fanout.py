@@ -92,7 +92,7 @@ class MemberBatchStage:
     )
     # fields a batch stage never measures itself (its inner stages do)
     cpu_start = cpu_end = gpu = gpu_ms = gpu_utilization = h2d_bytes = h2d_pinned = queue_saturated = None
-    compressed = None
+    compressed = worker_pid = offload = None
     on_event_loop = example = False
 
     def __init__(self, name: str, kind: str, span_id: int, parent: StageRecord, start_ns: int, end_ns: int) -> None:

@@ -11,7 +11,6 @@ trace and counts it, it never blocks a request.
 from __future__ import annotations
 
 import itertools
-import random
 import threading
 import time
 from collections import deque
@@ -22,7 +21,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 
 from stagetrace._safety import at_fork_in_child, report_internal_error
 from stagetrace.capture.light_spans import LightSpan
-from stagetrace.capture.records import Repeat, StageRecord, TraceRecord
+from stagetrace.capture.records import StageRecord, TraceRecord, pack_stages
 from stagetrace.common import wire
 from stagetrace.common.wire import flatten
 from stagetrace.exporter.metrics import MetricsRecorder
@@ -79,9 +78,6 @@ class _LoneSpan:
 def pack_any_span(span: Any) -> tuple[Any, ...]:
     """An SDK span or a light span (``capture/light_spans.py``) as its wire tuple."""
     return span.wire_tuple() if type(span) is LightSpan else wire.pack_span(span)
-
-
-_new_span_id = random.getrandbits  # for the example span of a composite (its occurrence shared the composite's id)
 
 
 def resolve_gpu_once(gpu: GpuHooks, rec: Any, offset: int, not_after_ns: int | None = None) -> None:
@@ -213,6 +209,12 @@ class Shipper:
         """The exporter died with flushes unanswered: they fail now rather than at their timeout."""
         for seq in list(self._sent_flushes):
             self.flushed(seq, ok=False)
+
+    def stand_down(self) -> None:
+        """Ship nothing from now on, without closing anything: this process is a pool worker forked from the
+        configured one, whose exporter and pipes are not its own."""
+        self._stopped = True
+        self._items.clear()
 
     def shutdown(self, timeout_s: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -430,7 +432,7 @@ class Shipper:
             dropped_stages=trace.dropped_stages,
             gpu_utilization=gpu_utilization,
             root=packed_root,
-            stages=tuple(map(pack, stages)) if Repeat not in map(type, stages) else self._pack_stages(stages, pack),
+            stages=pack_stages(stages, pack),
             others=tuple(map(pack_any_span, others)),
             loop_thread=trace.loop_thread,
             worker_runs=tuple(worker_runs),
@@ -439,20 +441,6 @@ class Shipper:
             stream=trace.stream.packed() if trace.stream is not None else None,
             gen_ai=trace.gen_ai,
         )
-
-    def _pack_stages(self, stages: list[Any], pack: Callable[[Any], tuple[Any, ...]]) -> tuple[tuple[Any, ...], ...]:
-        """Each stage packed; a composite of repeated occurrences (once anything folded into it) with its
-        slowest occurrence as the example span. (A trace without composites, the usual one, is packed in one
-        C-level pass by the caller.)"""
-        out = []
-        for rec in stages:
-            if type(rec) is not Repeat:
-                out.append(pack(rec))
-            elif rec.folded:
-                out.append(pack(rec))
-                if rec.slowest is not None:
-                    out.append(wire.as_example(pack(rec.slowest), _new_span_id(64) or 1))
-        return tuple(out)
 
     def _ticket_unused(self) -> None:
         self.app_metrics.dropped("batch_ticket_unused")

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from stagetrace.analysis import Verdict
 from stagetrace.analysis.diagnosis import ADVICE
+from stagetrace.analysis.offload import OffloadedCall
 from stagetrace.analysis.streams import StreamSummary
 from stagetrace.conventions import SLOW_TOTAL
 from stagetrace.report.sketch import QuantileSketch
@@ -74,6 +75,65 @@ class BatchWaitSummary:
         self.requests += other.requests
         self.formation.merge(other.formation)
         self.busy.merge(other.busy)
+
+
+@dataclass
+class OffloadSummary:
+    """One function's calls handed to a process pool, across requests: the four stretches of each, what it
+    moved, how many were a worker's first task."""
+
+    executor: str = ""
+    calls: float = 0
+    queue: QuantileSketch = field(default_factory=QuantileSketch)
+    send: QuantileSketch = field(default_factory=QuantileSketch)
+    run: QuantileSketch = field(default_factory=QuantileSketch)
+    ret: QuantileSketch = field(default_factory=QuantileSketch)
+    args_bytes: float = 0
+    result_bytes: float = 0
+    first_tasks: float = 0
+    saturated: float = 0
+
+    def add(self, call: OffloadedCall, weight: float = 1) -> None:
+        self.executor = self.executor or call.info.executor
+        self.calls += weight
+        self.queue.add(call.queue_ms, weight)
+        self.send.add(call.send_ms, weight)
+        self.run.add(call.run_ms, weight)
+        self.ret.add(call.return_ms, weight)
+        self.args_bytes += (call.info.args_bytes or 0) * weight
+        self.result_bytes += (call.info.result_bytes or 0) * weight
+        self.first_tasks += weight if call.info.worker_task_seq == 1 else 0
+        self.saturated += weight if call.saturated else 0
+
+    def merge(self, other: OffloadSummary) -> None:
+        self.executor = self.executor or other.executor
+        self.calls += other.calls
+        for mine, theirs in ((self.queue, other.queue), (self.send, other.send), (self.run, other.run),
+                             (self.ret, other.ret)):  # fmt: skip
+            mine.merge(theirs)
+        self.args_bytes += other.args_bytes
+        self.result_bytes += other.result_bytes
+        self.first_tasks += other.first_tasks
+        self.saturated += other.saturated
+
+    def summary(self) -> dict[str, Any]:
+        def p(sketch: QuantileSketch, q: float) -> float:
+            return round(sketch.quantile(q), 3)
+
+        n = self.calls or 1
+        return {
+            "executor": self.executor,
+            "calls": as_count(self.calls),
+            "queue_p50_ms": p(self.queue, 0.5),
+            "queue_p95_ms": p(self.queue, 0.95),
+            "send_p50_ms": p(self.send, 0.5),
+            "run_p50_ms": p(self.run, 0.5),
+            "return_p50_ms": p(self.ret, 0.5),
+            "args_bytes_mean": round(self.args_bytes / n),
+            "result_bytes_mean": round(self.result_bytes / n),
+            "first_tasks": as_count(self.first_tasks),
+            "saturated": as_count(self.saturated),
+        }
 
 
 @dataclass
@@ -185,6 +245,7 @@ class Aggregator:
         self.batches: dict[str, BatchSummary] = {}
         self.batch_waits: dict[str, BatchWaitSummary] = {}
         self.streams = StreamsSummary()
+        self.offloads: dict[str, OffloadSummary] = {}  # by function handed to a process pool
         self._slowest: list[_Slow] = []
         self._keep = keep_slowest
         self._seq = 0
@@ -218,6 +279,8 @@ class Aggregator:
             self.gpu_utilization.add(verdict.gpu_utilization, weight)
         if verdict.stream is not None:
             self.streams.add(verdict.stream, weight)
+        for call in verdict.offloads:
+            self.offloads.setdefault(call.name, OffloadSummary()).add(call, weight)
         self.keep_if_slowest(verdict, waterfall)
 
     def stage(self, name: str, kind: str = "cpu") -> StageSummary:
@@ -262,6 +325,8 @@ class Aggregator:
         for name, w in other.batch_waits.items():
             self.batch_waits.setdefault(name, BatchWaitSummary()).merge(w)
         self.streams.merge(other.streams)
+        for name, o in other.offloads.items():
+            self.offloads.setdefault(name, OffloadSummary()).merge(o)
         for slow in other._slowest:
             self.keep_if_slowest(slow.verdict, slow.waterfall)
 
@@ -354,6 +419,8 @@ class Aggregator:
             }
         if self.streams.streams:
             out["streams"] = self.streams.summary()
+        if self.offloads:
+            out["offloads"] = {name: o.summary() for name, o in self.offloads.items()}
         out["slowest"] = [
             {
                 "trace_id": v.trace_id,

@@ -90,7 +90,8 @@ def add_trace(
         return None
     for wait in batch_waits(spans):
         agg.add_batch_wait(*wait)
-    agg.add(verdict, waterfall(spans) if agg.would_keep(verdict.total_ms) else None, adjusted_count(spans))
+    weight = adjusted_count(spans)
+    agg.add(verdict, waterfall(spans) if agg.would_keep(verdict.total_ms) else None, weight)
     return verdict
 
 

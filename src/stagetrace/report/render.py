@@ -118,6 +118,7 @@ def text_report(
             out.append(f"  {labels[name]:<{label_width}} {bar:<{width}} {count / n:6.1%}  ({_n(count)})")
     out += batch_lines(summary)
     out += stream_lines(summary)
+    out += offload_lines(summary)
     out += ["", "Diagnoses"]
     if not summary["diagnoses"]:
         out.append("  none fired")
@@ -312,6 +313,33 @@ def stream_lines(summary: dict[str, Any]) -> list[str]:
     return out
 
 
+OFFLOAD_HEADERS = [
+    "offloaded call", "pool", "calls", "queue p50 ms", "queue p95 ms", "send p50 ms", "run p50 ms",
+    "return p50 ms", "args", "result", "first tasks", "saturated",
+]  # fmt: skip
+OFFLOAD_TITLE = "Calls handed to process pools (queue: waiting for a worker; send / return: the data's way)"
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n:.0f} B"
+
+
+def offload_rows(summary: dict[str, Any]) -> list[list[str]]:
+    return [
+        [
+            name, o["executor"], _n(o["calls"]), f"{o['queue_p50_ms']:.2f}", f"{o['queue_p95_ms']:.2f}",
+            f"{o['send_p50_ms']:.2f}", f"{o['run_p50_ms']:.2f}", f"{o['return_p50_ms']:.2f}",
+            _bytes(o["args_bytes_mean"]), _bytes(o["result_bytes_mean"]), _n(o["first_tasks"]), _n(o["saturated"]),
+        ]
+        for name, o in summary.get("offloads", {}).items()
+    ]  # fmt: skip
+
+
+def offload_lines(summary: dict[str, Any]) -> list[str]:
+    rows = offload_rows(summary)
+    return ["", OFFLOAD_TITLE, _table(OFFLOAD_HEADERS, rows, "llrrrrrrrrrr")] if rows else []
+
+
 def _html_table(table_id: str, headers: list[str], rows: list[list[str]]) -> str:
     head = "".join(f"<th>{_esc(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{_esc(v)}</td>" for v in row) + "</tr>" for row in rows)
@@ -462,6 +490,10 @@ def html_report(
         body.append(_html_table("streams", STREAM_HEADERS, lived))
         if phases:
             body.append(_html_table("stream-phases", PHASE_HEADERS, phases))
+    offloaded = offload_rows(summary)
+    if offloaded:
+        body.append(f"<h2>{_esc(OFFLOAD_TITLE)}</h2>")
+        body.append(_html_table("offloads", OFFLOAD_HEADERS, offloaded))
     body.append("<h2>Diagnoses</h2>")
     if not summary["diagnoses"]:
         body.append("<p>No diagnosis fired.</p>")

@@ -23,6 +23,7 @@ from stagetrace.analysis import (
 )
 from stagetrace.analysis.diagnosis import ADVICE
 from stagetrace.analysis.model import CompressedInfo
+from stagetrace.analysis.offload import OffloadedCall, OffloadInfo, offload_calls
 from stagetrace.analysis.signals import ProcessLoad
 from stagetrace.analysis.streams import StreamSummary, StreamThresholds, largest, split_phases
 from stagetrace.exporter.spans import batch_from_attributes
@@ -81,7 +82,25 @@ def _stored_verdict(root: Span, trace_id: str, spans: list[Span]) -> Verdict:
         },
         stream=stream_from_attributes(root),
         gen_ai=_gen_ai(a),
+        offloads=_offloads(spans),
     )
+
+
+def _offloads(spans: list[Span]) -> tuple[OffloadedCall, ...]:
+    """The calls a stored verdict's trace handed to process pools: each offload span's facts and its
+    children's times, read as the rules read them (``analysis.offload.offload_calls``)."""
+    if not any(c.OFFLOAD_EXECUTOR in s.attributes for s in spans):
+        return ()
+    samples = [
+        StageSample(
+            str(s.attributes.get(c.STAGE, s.name)), str(s.attributes.get(c.STAGE_KIND, "cpu")), s.start_ns,
+            max(s.start_ns, s.end_ns), int(s.span_id, 16), int(s.parent_span_id, 16) if s.parent_span_id else 0,
+            offload=_offload(s.attributes),
+        )
+        for s in spans
+        if c.STAGE in s.attributes
+    ]  # fmt: skip
+    return tuple(offload_calls(samples))
 
 
 def stream_from_attributes(root: Span) -> StreamSummary | None:
@@ -149,6 +168,13 @@ def _compressed(a: dict[str, Any]) -> CompressedInfo | None:
     return CompressedInfo(count, *ns)
 
 
+def _offload(a: dict[str, Any]) -> OffloadInfo | None:
+    """An offload stage's facts of its call, read back by the table that wrote them."""
+    if _typed(a.get(c.OFFLOAD_EXECUTOR), str) is None:
+        return None
+    return OffloadInfo(**{name: _typed(a.get(key), kind) for name, key, kind in c.OFFLOAD_FIELDS})
+
+
 def _sample(span: Span, parent_stage: str) -> StageSample:
     a = span.attributes
     return StageSample(
@@ -162,6 +188,7 @@ def _sample(span: Span, parent_stage: str) -> StageSample:
         **{name: _typed(a.get(key), kind) for name, key, kind in c.STAGE_SIGNALS},
         batch=batch_from_attributes(a, (int(span.links[0][0], 16), int(span.links[0][1], 16)) if span.links else None),
         compressed=_compressed(a),
+        offload=_offload(a),
     )
 
 
@@ -208,6 +235,7 @@ def verdict_for_trace(
         signals=signals,
         gen_ai=_gen_ai(root.attributes),
         stream_thresholds=_stream_thresholds(root.attributes, threshold) if stream else None,
+        offloads=tuple(offload_calls(samples)),
     )
 
 

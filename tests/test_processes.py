@@ -1,0 +1,408 @@
+"""Calls handed to process pools, traced stage by stage: ``ProcessPoolExecutor`` (submit, map,
+``run_in_executor``) and ``multiprocessing.Pool`` (apply_async, map, imap) under fork, spawn and forkserver;
+the worker's own stages under ``offload.run``, bounded; faults (a worker killed mid-task, what cannot be
+pickled, a report after its request ended, a report of another process's call); and a worker that inherited
+the runtime by fork recording nothing of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import itertools
+import multiprocessing as mp
+import os
+import pickle
+import re
+import threading
+
+import pytest
+
+import stagetrace
+from stagetrace import conventions as c
+from stagetrace.capture import offload
+from stagetrace.settings import KEEP_REPEATS
+
+OFFLOAD_CHILDREN = ("offload.queue", "offload.send", "offload.run", "offload.return")
+
+
+# --- what the workers run (module level: pickled by reference) -------------------------------------------------
+
+
+def tokenize(text: str) -> int:
+    with stagetrace.stage("tokenize.inner"):
+        words = text.split()
+    with stagetrace.stage("count"):
+        return len(words)
+
+
+def many_stages(n: int) -> int:
+    for _ in range(n):
+        with stagetrace.stage("tick"):
+            pass
+    return n
+
+
+def fails(message: str) -> None:
+    with stagetrace.stage("before_failing"):
+        pass
+    raise KeyError(message)
+
+
+def dies() -> None:
+    os._exit(3)
+
+
+def returns_a_lock() -> object:
+    return threading.Lock()
+
+
+def staged_initializer() -> None:
+    with stagetrace.stage("initializer.stage"):
+        pass
+
+
+def plain(x: int) -> int:
+    with stagetrace.stage("outside.a.request"):
+        return x + 1
+
+
+# --- helpers ---------------------------------------------------------------------------------------------------
+
+
+def attrs(span):
+    return dict(span.attributes or {})
+
+
+def children_of(spans, parent):
+    return [s for s in spans if s.parent is not None and s.parent.span_id == parent.context.span_id]
+
+
+def offload_spans(spans, name):
+    return [s for s in spans if s.name == name and attrs(s).get(c.STAGE_KIND) == "offload"]
+
+
+def assert_offloaded(spans, name, executor, method):
+    """The call's stage, its four children in order, the worker's stages under its run; returns the stage."""
+    (stage,) = offload_spans(spans, name)[:1]
+    a = attrs(stage)
+    assert a[c.OFFLOAD_EXECUTOR] == executor and a[c.OFFLOAD_START_METHOD] == method
+    assert a[c.OFFLOAD_MAX_WORKERS] == 2 and a[c.OFFLOAD_IN_FLIGHT] >= 1 and a[c.OFFLOAD_WORKER_TASK_SEQ] >= 1
+    assert a[c.OFFLOAD_WORKER_PID] != os.getpid() and a[c.OFFLOAD_ARGS_BYTES] > 0 and a[c.OFFLOAD_RESULT_BYTES] > 0
+    kids = sorted(children_of(spans, stage), key=lambda s: s.start_time)
+    names = [k.name for k in kids]
+    assert names[names.index("offload.send") :] == ["offload.send", "offload.run", "offload.return"], names
+    assert all(stage.start_time <= k.start_time <= k.end_time <= stage.end_time for k in kids)
+    for earlier, later in itertools.pairwise(kids):
+        assert earlier.end_time <= later.start_time  # back to back, in order
+    (run,) = [k for k in kids if k.name == "offload.run"]
+    assert attrs(run)[c.WORKER_PID] == a[c.OFFLOAD_WORKER_PID]
+    inner = children_of(spans, run)
+    assert {s.name for s in inner} >= {"tokenize.inner", "count"}
+    assert all(attrs(s)[c.WORKER_PID] == a[c.OFFLOAD_WORKER_PID] for s in inner)
+    assert {s.context.trace_id for s in [stage, *kids, *inner]} == {stage.context.trace_id}
+    return stage
+
+
+@pytest.fixture
+def method(request):
+    return getattr(request, "param", "fork")
+
+
+START_METHODS = [
+    "fork",
+    pytest.param("spawn", marks=pytest.mark.slow),
+    pytest.param("forkserver", marks=pytest.mark.slow),
+]
+
+
+# --- ProcessPoolExecutor -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", START_METHODS, indirect=True)
+def test_a_process_pool_executors_calls_are_stages_with_the_workers_under_them(harness, method):
+    text = "a long text " * 20_000
+    with cf.ProcessPoolExecutor(2, mp_context=mp.get_context(method)) as pool:
+        with stagetrace.pipeline("request"):
+            assert pool.submit(tokenize, text).result() == 60_000
+            assert list(pool.map(tokenize, ["a b", "c d e"])) == [2, 3]
+    (verdict,) = harness.wait_verdicts(1)
+    spans = harness.spans()
+    stage = assert_offloaded(spans, "tokenize", "ProcessPoolExecutor", method)
+    assert len(offload_spans(spans, "tokenize")) == 3  # map: one call a chunk (here one item a chunk)
+    assert attrs(stage)[c.OFFLOAD_ARGS_BYTES] >= len(text)
+    assert set(OFFLOAD_CHILDREN[1:]) <= set(verdict.breakdown) and "tokenize.inner" in verdict.breakdown
+    assert verdict.bottleneck in (*verdict.breakdown, "untracked") and 0 < verdict.ratio <= 1
+
+
+def test_run_in_executor_from_a_coroutine_is_an_offload_stage(harness):
+    async def handler(pool):
+        async with stagetrace.pipeline("async request"):
+            return await asyncio.get_running_loop().run_in_executor(pool, tokenize, "x y z")
+
+    with cf.ProcessPoolExecutor(2, mp_context=mp.get_context("fork")) as pool:
+        assert asyncio.run(handler(pool)) == 3
+    harness.wait_verdicts(1)
+    assert_offloaded(harness.spans(), "tokenize", "ProcessPoolExecutor", "fork")
+
+
+def test_a_numpy_arrays_bytes_are_its_nbytes_and_read_without_pickling_it_twice(harness, monkeypatch):
+    np = pytest.importorskip("numpy")
+    array = np.zeros((1000, 1000), dtype=np.float32)  # 4 MB
+    dumps = []
+    real = offload.dumps
+    monkeypatch.setattr(offload, "dumps", lambda obj: dumps.append(1) or real(obj))
+    with cf.ProcessPoolExecutor(2, mp_context=mp.get_context("fork")) as pool:
+        with stagetrace.pipeline("request"):
+            assert pool.submit(np.sum, array).result() == 0
+    harness.wait_verdicts(1)
+    (stage,) = offload_spans(harness.spans(), "sum")
+    assert attrs(stage)[c.OFFLOAD_ARGS_BYTES] >= array.nbytes
+    assert len(dumps) == 1  # the arguments once (the result came back as it is: a scalar's few bytes)
+
+
+# --- multiprocessing.Pool ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", START_METHODS, indirect=True)
+def test_a_multiprocessing_pools_calls_are_stages_with_the_workers_under_them(harness, method):
+    with mp.get_context(method).Pool(2) as pool:
+        with stagetrace.pipeline("request"):
+            assert pool.apply_async(tokenize, ("a b c",)).get(timeout=60) == 3
+            assert pool.map(tokenize, ["a", "b c", "d e f", "g"], chunksize=2) == [1, 2, 3, 1]
+            assert list(pool.imap(tokenize, ["a b"])) == [2]
+    harness.wait_verdicts(1)
+    spans = harness.spans()
+    assert_offloaded(spans, "tokenize", "multiprocessing.Pool", method)
+    assert len(offload_spans(spans, "tokenize")) == 1 + 2 + 1  # apply_async, two chunks of map, imap's item
+
+
+def test_a_thread_pool_is_left_as_it_is(harness):
+    with mp.pool.ThreadPool(2) as pool:
+        with stagetrace.pipeline("request"):
+            assert pool.apply_async(tokenize, ("a b",)).get() == 2
+            assert pool.map(tokenize, ["a", "b c"]) == [1, 2]
+    harness.wait_verdicts(1)
+    spans = harness.spans()
+    assert not [s for s in spans if attrs(s).get(c.STAGE_KIND) == "offload"]
+
+
+# --- the worker's side ----------------------------------------------------------------------------------------
+
+
+def test_a_worker_loop_of_100000_stages_comes_back_folded(harness):
+    with cf.ProcessPoolExecutor(2, mp_context=mp.get_context("fork")) as pool:
+        with stagetrace.pipeline("request"):
+            assert pool.submit(many_stages, 100_000).result() == 100_000
+    (verdict,) = harness.wait_verdicts(1)
+    ticks = harness.by_name("tick")
+    assert len(ticks) <= KEEP_REPEATS + 2  # the first few, the composite, its slowest occurrence
+    (composite,) = [s for s in ticks if c.COMPRESSED_COUNT in attrs(s)]
+    assert attrs(composite)[c.COMPRESSED_COUNT] == 100_000 - KEEP_REPEATS
+    assert "tick" in verdict.breakdown
+
+
+def test_a_forked_worker_records_nothing_outside_a_requests_call(harness):
+    with cf.ProcessPoolExecutor(
+        2, mp_context=mp.get_context("fork"), initializer=staged_initializer
+    ) as pool:  # fmt: skip
+        assert pool.submit(plain, 1).result() == 2  # outside any request
+        with stagetrace.pipeline("request"):
+            assert pool.submit(tokenize, "a b").result() == 2
+        assert pool.submit(plain, 2).result() == 3
+    harness.wait_verdicts(1)
+    names = {s.name for s in harness.spans()}
+    assert "tokenize.inner" in names
+    assert not names & {"initializer.stage", "outside.a.request"}  # no rootless traces from the workers
+
+
+def test_outside_a_request_the_pool_gets_the_call_itself(harness):
+    with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
+        slow = pool.submit(many_stages, 300_000)  # holds the only worker: the next call stays pending
+        bare = pool.submit(plain, 1)
+        with stagetrace.pipeline("request"):
+            traced = pool.submit(plain, 2)
+            calls = [item.fn for item in pool._pending_work_items.values()]
+            assert traced.result() == 3
+        assert (slow.result(), bare.result()) == (300_000, 2)
+    assert plain in calls and any(isinstance(fn, offload.OffloadCall) for fn in calls)
+    assert not offload.IN_FLIGHT
+
+
+# --- faults ------------------------------------------------------------------------------------------------
+
+
+def test_an_exception_in_the_worker_is_raised_as_it_was_and_its_stages_come_with_it(harness):
+    with cf.ProcessPoolExecutor(2, mp_context=mp.get_context("fork")) as pool:
+        with pytest.raises(KeyError, match="no such token"):
+            with stagetrace.pipeline("request"):
+                pool.submit(fails, "no such token").result()
+    harness.wait_verdicts(1)
+    spans = harness.spans()
+    (stage,) = offload_spans(spans, "fails")
+    assert stage.status.is_ok is False and attrs(stage)[c.ERROR_TYPE] == "KeyError"
+    assert harness.by_name("before_failing")
+
+
+def test_a_worker_killed_mid_task_gives_the_stage_its_error_and_the_request_its_verdict(harness):
+    with cf.ProcessPoolExecutor(2, mp_context=mp.get_context("fork")) as pool:
+        with pytest.raises(cf.process.BrokenProcessPool):
+            with stagetrace.pipeline("request"):
+                pool.submit(dies).result()
+    (verdict,) = harness.wait_verdicts(1)
+    (stage,) = offload_spans(harness.spans(), "dies")
+    assert stage.status.is_ok is False and attrs(stage)[c.ERROR_TYPE] == "BrokenProcessPool"
+    assert not children_of(harness.spans(), stage)  # no report: nothing to place
+    assert "dies" in verdict.breakdown and not offload.IN_FLIGHT
+
+
+def _failure(call):
+    """What a call raised, its addresses left out (two runs' objects are never at one address)."""
+    try:
+        call()
+    except Exception as e:
+        return type(e), re.sub(r"0x[0-9a-f]+", "0x...", str(e))
+    return None
+
+
+def test_what_cannot_be_pickled_raises_exactly_what_it_raised_before(harness):
+    def unpicklable_call(pool):
+        return lambda: pool.submit(lambda: 1).result()
+
+    def unpicklable_result(pool):
+        return lambda: pool.submit(returns_a_lock).result()
+
+    for make in (unpicklable_call, unpicklable_result):
+        with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
+            bare = _failure(make(pool))  # outside a request: the pool's own error
+            with stagetrace.pipeline("request"):
+                traced = _failure(make(pool))
+        assert bare is not None and traced == bare, (make.__name__, bare, traced)
+    with mp.get_context("fork").Pool(1) as pool:
+        bare = _failure(lambda: pool.apply_async(returns_a_lock).get(timeout=30))
+        with stagetrace.pipeline("request"):
+            traced = _failure(lambda: pool.apply_async(returns_a_lock).get(timeout=30))
+    assert bare is not None and traced == bare
+    assert not offload.IN_FLIGHT, [(p.name, p.executor) for p in offload.IN_FLIGHT._calls.values()]
+
+
+def test_a_report_after_its_request_ended_is_counted_and_dropped(harness):
+    with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
+        with stagetrace.pipeline("request"):
+            future = pool.submit(many_stages, 200_000)  # not awaited: the request ends first
+        (verdict,) = harness.wait_verdicts(1)
+        assert future.result() == 200_000
+    assert "many_stages" not in verdict.breakdown
+    dropped = {
+        p.attributes[c.DROP_REASON]: p.value for p in harness.metric_points(c.METRIC_DROPPED) if p.value
+    }  # fmt: skip
+    assert dropped.get("offload_late", 0) >= 1
+
+
+def test_a_report_of_a_call_this_process_did_not_submit_is_counted_and_dropped(harness):
+    from stagetrace.capture.worker import Report
+
+    other = Report(12345, os.getpid() + 1, 2, 1, 0, 0, 0, 1, 2, None, None, (), 0, None)
+    unknown = other._replace(parent_pid=os.getpid())
+    assert pickle.loads(pickle.dumps(offload.ReportCarrier(other))) is None
+    offload.deliver(tuple(unknown), None)
+    offload.deliver(("not", "a", "report"), None)
+    dropped = {p.attributes[c.DROP_REASON]: p.value for p in harness.metric_points(c.METRIC_DROPPED) if p.value}
+    assert dropped.get("offload_unknown", 0) == 2 and dropped.get("offload_malformed", 0) == 1
+
+
+def test_the_report_has_a_table_of_the_calls_handed_to_process_pools(tmp_path):
+    import io
+    import json
+
+    from stagetrace.cli.report import run_report
+
+    handle = stagetrace.configure("offloading", traces_path=tmp_path / "traces.jsonl", set_global=False)
+    try:
+        with cf.ProcessPoolExecutor(2, mp_context=mp.get_context("fork")) as pool:
+            for _ in range(3):
+                with stagetrace.pipeline("request"):
+                    pool.submit(tokenize, "a b c " * 1000).result()
+        assert handle.force_flush(30)
+    finally:
+        handle.shutdown()
+    out = io.StringIO()
+    assert run_report([str(tmp_path)], as_json=True, out=out, err=io.StringIO()) == 0
+    row = json.loads(out.getvalue())["offloads"]["tokenize"]
+    assert row["executor"] == "ProcessPoolExecutor" and row["calls"] == 3
+    assert row["args_bytes_mean"] >= 6000 and row["result_bytes_mean"] > 0 and row["run_p50_ms"] >= 0
+    stages = set(json.loads(out.getvalue())["stages"])
+    assert {"tokenize", "offload.send", "offload.run", "offload.return", "tokenize.inner"} <= stages
+    text = io.StringIO()
+    assert run_report([str(tmp_path)], out=text, err=io.StringIO()) == 0
+    table = text.getvalue().split("Calls handed to process pools")[1]
+    line = next(ln for ln in table.splitlines() if ln.startswith("tokenize "))
+    assert line.split()[1:3] == ["ProcessPoolExecutor", "3"]
+
+
+# --- the issue's service: a FastAPI app on uvicorn handing work to process pools -----------------------------
+
+
+def regex_tokenize(text: str) -> int:
+    import re as regex
+
+    with stagetrace.stage("tokenize.inner"):
+        return len(regex.findall(r"\w+(?:'\w+)*|[^\w\s]", text))
+
+
+def array_mean(array) -> float:
+    return float(array.mean())
+
+
+@pytest.mark.slow
+def test_a_fastapi_service_handing_work_to_process_pools_gets_verdicts_about_the_pools(harness):
+    """The first-contact service: an ``async def`` endpoint awaiting ``run_in_executor`` on a process pool (a
+    regex over 200 KB), one handing it a 20 MB array, a ``def`` endpoint calling ``Pool.apply_async().get()``;
+    six clients. The verdicts are about the pools (their queue, the transfer), never a lock or the event
+    loop for the wait on the pool, and no worker's stage is a trace of its own."""
+    np = pytest.importorskip("numpy")
+    from fastapi import FastAPI
+
+    from servers import hit, serve
+
+    text = "the quick brown fox's jump, " * 7_300  # ~200 KB
+    array = np.ones(5_000_000, dtype=np.float32)  # 20 MB
+    executor = cf.ProcessPoolExecutor(2, mp_context=mp.get_context("fork"))
+    pool = mp.get_context("fork").Pool(2)
+    app = FastAPI()
+
+    @app.get("/tokenize")
+    async def tokenize_route():
+        return {"n": await asyncio.get_running_loop().run_in_executor(executor, regex_tokenize, text)}
+
+    @app.get("/array")
+    async def array_route():
+        return {"mean": await asyncio.get_running_loop().run_in_executor(executor, array_mean, array)}
+
+    @app.get("/apply")
+    def apply_route():
+        return {"n": pool.apply_async(regex_tokenize, (text,)).get(timeout=60)}
+
+    stagetrace.instrument_fastapi(app)
+    try:
+        with serve(app) as base:
+            for path in ("/tokenize", "/array", "/apply"):
+                assert hit(base, path, 12, 6) == [200] * 12
+        verdicts = harness.wait_verdicts(36, timeout=60)
+    finally:
+        executor.shutdown()
+        pool.terminate()
+    spans = harness.spans()
+    assert not [s for s in spans if s.name == "tokenize.inner" and s.parent is None]  # no rootless worker traces
+    by_route: dict[str, list] = {}
+    for v in verdicts:
+        by_route.setdefault(v.route, []).append(v)
+    offload_children = {"offload.queue", "offload.send", "offload.run", "offload.return", "tokenize.inner"}
+    for route, got in by_route.items():
+        assert all(set(v.breakdown) & offload_children for v in got), route
+        codes = {code for v in got for code in v.diagnosis_codes}
+        assert not codes & {"LOCK_OR_IO_WAIT", "EVENT_LOOP_BLOCKED"}, (route, codes)
+    array_codes = {code for v in by_route["/array"] for code in v.diagnosis_codes}
+    assert "IPC_BOUND" in array_codes  # 20 MB a call
+    tokenize_codes = {code for v in by_route["/tokenize"] for code in v.diagnosis_codes}
+    assert "POOL_SATURATED" in tokenize_codes  # six clients, two workers
+    assert any(v.bottleneck == "offload.queue" for v in by_route["/tokenize"])
