@@ -86,7 +86,16 @@ def test_demo_optimized_prints_before_and_after(tmp_path, pipeline):
     text = demo.stdout
     assert "Before and after" in text
     if pipeline == "text":
-        assert "tokenize" in text and "/classify-optimized" in text
+        # the fixed service tokenizes in a process pool: each request's call is an offload stage, its four
+        # children in the before/after and --compare's tables, the pool's table in the fixed run's report
+        assert "/classify-optimized" in text and "stagetrace report --compare: /classify (16 traces)" in text
+        after = text.split("Before and after")[1]
+        for child in ("offload.queue", "offload.send", "offload.run", "offload.return"):
+            line = next(ln for ln in after.splitlines() if ln.strip().startswith(f"{child} p50 ms"))
+            assert line.split()[-2] == "-" and line.split()[-1] != "-"  # none before, measured after
+        report = json.loads(stagetrace_cli("report", str(tmp_path / "o"), "--json", cwd=tmp_path).stdout)
+        calls = report["offloads"]["tokenize_in_worker"]
+        assert calls["calls"] == 16 and calls["executor"] == "ProcessPoolExecutor"
         return
     # the optimized image pipeline serves inference through a dynamic batcher
     assert "/predict-optimized" in text

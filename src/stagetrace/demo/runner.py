@@ -211,6 +211,20 @@ def _compare(before: dict[str, Any], after: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _compared(traces: Path, pipeline: str) -> str:
+    """The two runs as ``stagetrace report --compare`` reads them: each figure's change with its interval, and
+    whether it is beyond noise."""
+    from stagetrace.demo import pipelines
+    from stagetrace.report.collect import facts_from_files
+    from stagetrace.report.compare import compare
+    from stagetrace.report.render import before_after_text
+
+    before, after = pipelines.ROUTES[(pipeline, False)], pipelines.ROUTES[(pipeline, True)]
+    sides = [facts_from_files([str(traces)], route=route, err=sys.stderr)[0] for route in (before, after)]
+    comparison = compare(*sides, before_label=before, after_label=after)
+    return before_after_text(comparison.summary(), "stagetrace report --compare")
+
+
 def run_demo(
     *,
     requests: int | None = None,
@@ -309,6 +323,9 @@ def run_demo(
         print(text_report(summaries[True], f"stagetrace demo ({pipeline}, {pipelines.ROUTES[(pipeline, True)]})"))
         print(_clients_line(clients[True]))
         print("\nBefore and after\n" + _compare(summaries[False], summaries[True]))
+        if handle.traces_path is not None and handle.traces_path.exists():
+            print()
+            print(_compared(handle.traces_path, pipeline))
     html_path = out / "report.html"
     title = f"stagetrace demo: {pipeline} pipeline"
     html_path.write_text(html_report(agg.summary(), agg.slowest(), title), encoding="utf-8")
