@@ -115,7 +115,7 @@ def observe(rt: Any, send: Any, receive: Any) -> tuple[Any, Any]:
     async def timed_send(message: Any) -> None:
         stats = holder[0]
         if stats is None:
-            if message.get("type") == "http.response.body" and message.get("more_body", False):
+            if message.get("type") == "http.response.body" and message.get("more_body"):
                 stats = holder[0] = _attach(rt)
             if stats is None:
                 await send(message)
@@ -132,7 +132,7 @@ def observe(rt: Any, send: Any, receive: Any) -> tuple[Any, Any]:
         finally:
             if message.get("body"):
                 stats.chunk_handed(t0, _perf_ns() - t0)
-        if not message.get("more_body", False):
+        if not message.get("more_body"):
             complete[0] = True
 
     async def noting_receive() -> Any:

@@ -72,7 +72,8 @@ class _Histogram:
 
 
 class _Number:
-    """One attribute set's counter total or last gauge value."""
+    """One attribute set's counter total (a gauge's last value is kept as the plain value: its points have no
+    start time)."""
 
     __slots__ = ("start_ns", "value")
 
@@ -109,17 +110,17 @@ class MetricStore:
             h.exemplars[index] = (value, time_ns(), exemplar[0], exemplar[1])  # the bucket's last one
 
     def merge(self, inst: Instrument, key: Key, histogram: GapHistogram) -> None:
-        """Many values at once, already counted on ``inst``'s buckets (a stream's gaps)."""
+        """Many values at once, already counted on ``inst``'s buckets (a stream's gaps). Nothing counted adds
+        no point (the SDK, given no value, has none)."""
+        n = sum(histogram.counts)
+        if not n:
+            return
         table = self.points[inst.name]
         h = table.get(key)
         if h is None:
             h = table[key] = _Histogram(len(inst.buckets), time_ns())
-        n = 0
         for index, count in enumerate(histogram.counts):
             h.counts[index] += count
-            n += count
-        if not n:
-            return
         h.count += n
         h.sum += histogram.sum_ms
         if histogram.min_ms < h.min:
@@ -136,12 +137,7 @@ class MetricStore:
             n.value += amount
 
     def set(self, inst: Instrument, key: Key, value: float) -> None:
-        table = self.points[inst.name]
-        n = table.get(key)
-        if n is None:
-            table[key] = _Number(value, time_ns())
-        else:
-            n.value = value
+        self.points[inst.name][key] = value  # the last value wins
 
     def collect(self, now_ns: int) -> list[Metric]:
         """The points as the SDK's reader would receive them; a delta store starts afresh."""
@@ -181,7 +177,6 @@ def _data(inst: Instrument, table: dict[Key, Any], delta: bool, previous_ns: int
                     start_time_unix_nano=previous_ns if delta else n.start_ns,
                     time_unix_nano=now_ns,
                     value=n.value,
-                    exemplars=[],
                 )
                 for key, n in table.items()
             ],
@@ -194,10 +189,9 @@ def _data(inst: Instrument, table: dict[Key, Any], delta: bool, previous_ns: int
                 attributes=dict(key),
                 start_time_unix_nano=None,  # type: ignore[arg-type]  # as the SDK's own gauge points
                 time_unix_nano=now_ns,
-                value=n.value,
-                exemplars=[],
+                value=value,
             )
-            for key, n in table.items()
+            for key, value in table.items()
         ]
     )
 
