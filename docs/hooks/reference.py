@@ -263,6 +263,10 @@ def reserved_names() -> dict[str, str]:
         c.SLOW_TOTAL: "`stagetrace.slow.reason` of a response slow by its duration",
         c.SLOW_FIRST_CHUNK: "`stagetrace.slow.reason` of a stream slow by its time to the first chunk",
         c.SLOW_GAP: "`stagetrace.slow.reason` of a stream slow by its gaps' p99",
+        c.OFFLOAD_QUEUE_STAGE: "an offload stage's child (`wait`): the call's wait for a worker of its pool",
+        c.OFFLOAD_SEND_STAGE: "an offload stage's child (`io`): the arguments' serialisation and way to the worker",
+        c.OFFLOAD_RUN_STAGE: "an offload stage's child (`cpu`): the worker's run, its own stages under it",
+        c.OFFLOAD_RETURN_STAGE: "an offload stage's child (`io`): the result's way back and its reading",
     }
 
 
