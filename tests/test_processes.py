@@ -339,6 +339,63 @@ def test_the_report_has_a_table_of_the_calls_handed_to_process_pools(tmp_path):
     assert line.split()[1:3] == ["ProcessPoolExecutor", "3"]
 
 
+BEFORE_CONFIGURE = """
+import concurrent.futures as cf, multiprocessing as mp, os, sys
+
+def tokenize(text):
+    import stagetrace
+    with stagetrace.stage("tokenize.inner"):
+        return len(text.split())
+
+if __name__ == "__main__":
+    executor = cf.ProcessPoolExecutor(2, mp_context=mp.get_context(sys.argv[2]))
+    pool = mp.get_context(sys.argv[2]).Pool(2)
+    assert executor.submit(os.getpid).result() and pool.apply_async(os.getpid).get()  # started and warm
+    import stagetrace  # only now
+
+    handle = stagetrace.configure("early-pools", traces_path=sys.argv[1], set_global=False)
+    with stagetrace.pipeline("request"):
+        assert executor.submit(tokenize, "a b c").result() == 3
+        assert pool.apply_async(tokenize, ("d e",)).get() == 2
+    assert handle.force_flush(30)
+    handle.shutdown()
+    executor.shutdown()
+    pool.close()
+    pool.join()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_pools_made_and_warmed_before_configure_are_traced(tmp_path, start_method):
+    """In a process of its own (the patches are process-wide): both kinds of pool made, their workers started,
+    before stagetrace is imported; each call in the request is still an offload stage with the worker's own
+    stage under its run."""
+    import json
+    import subprocess
+    import sys
+
+    script, traces = tmp_path / "early.py", tmp_path / "traces.jsonl"
+    script.write_text(BEFORE_CONFIGURE)
+    done = subprocess.run(
+        [sys.executable, str(script), str(traces), start_method], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    spans = [
+        s for line in traces.read_text().splitlines() for rs in json.loads(line)["resourceSpans"]
+        for ss in rs["scopeSpans"] for s in ss["spans"]
+    ]  # fmt: skip
+
+    def attributes(span):
+        return {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", ())}
+
+    calls = {attributes(s).get(c.OFFLOAD_EXECUTOR) for s in spans if attributes(s).get(c.STAGE_KIND) == "offload"}
+    assert calls == {"ProcessPoolExecutor", "multiprocessing.Pool"}
+    runs = {s["spanId"] for s in spans if s["name"] == "offload.run"}
+    inner = [s for s in spans if s["name"] == "tokenize.inner"]
+    assert len(runs) == 2 and len(inner) == 2 and {s["parentSpanId"] for s in inner} == runs
+
+
 # --- the issue's service: a FastAPI app on uvicorn handing work to process pools -----------------------------
 
 
