@@ -294,14 +294,18 @@ def test_on_a_real_server_every_trace_lasts_what_its_client_lived(spare_cpus, tm
     finally:
         terminate(server, timeout_s=30)
     lived: dict[str, float] = json.loads(out.stdout)
-    roots = {s.trace_id: s for s in exported_spans(tmp_path) if s.name == "GET /work" and s.trace_id in lived}
+    spans = exported_spans(tmp_path)
+    roots = {s.trace_id: s for s in spans if s.name == "GET /work" and s.trace_id in lived}
+    own_ms = {s.trace_id: (s.end_ns - s.start_ns) / 1e6 for s in spans if s.name == "decode"}
     assert set(roots) == set(lived), f"{len(roots)} of {len(lived)} traces exported"
     delayed = 0
     for trace_id, client_ms in lived.items():
         root = roots[trace_id]
         trace_ms = (root.end_ns - root.start_ns) / 1e6
         assert abs(trace_ms - client_ms) <= max(0.1 * client_ms, 5.0), (trace_id, trace_ms, client_ms)
-        if client_ms > 80:  # it waited at least a whole other request's stage
+        # It waited longer than its own stage ran (with a margin): on a host short of CPUs its own stage can
+        # take twice its 40 ms, so the wait is judged against the stage as it ran, not as written.
+        if client_ms - own_ms[trace_id] > 1.2 * own_ms[trace_id] + 5:
             delayed += 1
             assert root.attributes[c.BOTTLENECK_STAGE] == c.EVENT_LOOP_WAIT, root.attributes
             assert any(b.startswith("decode@") for b in root.attributes[c.BLOCKED_BY])
