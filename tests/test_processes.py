@@ -301,7 +301,7 @@ def test_a_report_after_its_request_ended_is_counted_and_dropped(harness):
 def test_a_report_of_a_call_this_process_did_not_submit_is_counted_and_dropped(harness):
     from stagetrace.capture.worker import Report
 
-    other = Report(12345, os.getpid() + 1, 2, 1, 0, 0, 0, 1, 2, None, None, (), 0, None)
+    other = Report(12345, os.getpid() + 1, 2, 1, 0, 0, 1, 2, None, None, (), 0, None)
     unknown = other._replace(parent_pid=os.getpid())
     assert pickle.loads(pickle.dumps(offload.ReportCarrier(other))) is None
     offload.deliver(tuple(unknown), None)

@@ -8,17 +8,25 @@ import pytest
 from trace_builders import MS, cpu, offload, run
 
 from stagetrace.analysis import TraceSignals
-from stagetrace.analysis.offload import OffloadFields, OffloadSplit, offload_calls, offload_fields, split_offload
+from stagetrace.analysis.offload import (
+    OffloadFields,
+    OffloadInfo,
+    OffloadSplit,
+    offload_calls,
+    offload_fields,
+    offload_info,
+    split_offload,
+)
 from stagetrace.analysis.signals import ProcessLoad
 
 
 def fields(**changes):
-    """A call submitted at 100 ms: pickled 101-103 ms on a pool thread, the worker free since 90 ms, reading it
-    at 105 ms and running it 106-150 ms; done (the result read back) at 160 ms."""
+    """A call submitted at 100 ms: pickled 101-103 ms on a pool thread, the worker free since 90 ms, running it
+    106-150 ms; done (the result read back) at 160 ms."""
     base = dict(
         executor="ProcessPoolExecutor", max_workers=2, in_flight=1, start_method="fork", run_span_id=7,
         submitted_ns=100 * MS, pickle_start_ns=101 * MS, pickle_end_ns=103 * MS, args_bytes=5000, worker_pid=42,
-        worker_task_seq=3, worker_started_ns=0, worker_idle_ns=90 * MS, received_ns=105 * MS,
+        worker_task_seq=3, worker_started_ns=0, worker_idle_ns=90 * MS,
         run_start_ns=106 * MS, run_end_ns=150 * MS, run_cpu_start=None, run_cpu_end=None, result_bytes=80,
     )  # fmt: skip
     base.update(changes)
@@ -30,22 +38,38 @@ def ms_split(split: OffloadSplit) -> list[tuple[float, float]]:
 
 
 def test_a_call_to_an_idle_worker_is_all_send_before_its_run():
-    # send = pickling 2 ms + in the pipe from 103 ms (pickled; the worker was free) to 105 ms + reading 1 ms = 5 ms,
-    # which is all of the 6 ms before the run: 1 ms of queue (the pool's own hand-over before pickling)
+    # send = pickling 2 ms + from 103 ms (pickled; the worker was free) to the run at 106 ms (the pipe and the
+    # worker's reading) = 5 ms of the 6 ms before the run: 1 ms of queue (the pool's own hand-over)
     assert ms_split(split_offload(fields(), 160 * MS)) == [(100, 101), (101, 106), (106, 150), (150, 160)]
 
 
 def test_a_call_whose_worker_was_busy_queued_until_it_was_free():
-    # the worker was busy until 130 ms: the bytes waited in the pipe for it, queueing; send = 2 + 1 + 1 ms
-    busy = fields(worker_idle_ns=130 * MS, received_ns=131 * MS, run_start_ns=132 * MS, run_end_ns=150 * MS)
+    # the worker was busy until 130 ms: the bytes waited in the pipe for it, queueing; send = 2 + (132 - 130) ms
+    busy = fields(worker_idle_ns=130 * MS, run_start_ns=132 * MS, run_end_ns=150 * MS)
     assert ms_split(split_offload(busy, 160 * MS)) == [(100, 128), (128, 132), (132, 150), (150, 160)]
 
 
 def test_a_call_not_pickled_here_has_no_serialisation_and_readings_out_of_order_are_clamped_into_it():
     unpickled = fields(pickle_start_ns=None, pickle_end_ns=None, worker_idle_ns=None)
     assert ms_split(split_offload(unpickled, 160 * MS)) == [(100, 100), (100, 106), (106, 150), (150, 160)]
-    skewed = fields(received_ns=99 * MS, run_start_ns=95 * MS, run_end_ns=170 * MS)  # clocks that are not one
+    skewed = fields(run_start_ns=95 * MS, run_end_ns=170 * MS)  # clocks that are not one
     assert ms_split(split_offload(skewed, 160 * MS)) == [(100, 100), (100, 100), (100, 160), (160, 160)]
+
+
+def test_half_a_reading_is_none_and_a_worker_free_only_after_the_run_began_adds_nothing():
+    # a serialisation with no end is not counted: from the submission to the run is all the pipe's (send)
+    assert ms_split(split_offload(fields(pickle_end_ns=None), 160 * MS))[:2] == [(100, 100), (100, 106)]
+    # a serialisation that ended before it began counts 0 ms, its end still the moment the bytes were ready
+    backwards = fields(pickle_start_ns=104 * MS, pickle_end_ns=103 * MS)
+    assert ms_split(split_offload(backwards, 160 * MS))[:2] == [(100, 103), (103, 106)]
+    # the worker's idle reading after its run began (another clock): no time from it to the run, pickling only
+    late_idle = fields(worker_idle_ns=107 * MS)
+    assert ms_split(split_offload(late_idle, 160 * MS))[:2] == [(100, 104), (104, 106)]
+
+
+def test_the_offload_span_s_facts_are_the_record_s_field_by_field():
+    info = offload_info(fields(in_flight=3, start_method="spawn", result_bytes=81))
+    assert info == OffloadInfo("ProcessPoolExecutor", 2, 3, 5000, 81, "spawn", 42, 3)
 
 
 def test_a_call_its_worker_never_reported_has_no_stretches():
@@ -57,7 +81,7 @@ def test_a_shipped_offload_tuple_is_checked_field_by_field():
     assert offload_fields(tuple(good)) == good and offload_fields(None) is None and offload_fields(good) is good
     for bad in (list(good), tuple(good)[:-1], tuple(good._replace(submitted_ns=1.5)), tuple(good._replace(executor=3)),
                 tuple(good._replace(worker_pid="42")), tuple(good._replace(start_method=5))):  # fmt: skip
-        with pytest.raises(ValueError, match="malformed offload record"):
+        with pytest.raises(ValueError, match=r"^malformed offload record$"):
             offload_fields(bad)
 
 
@@ -145,3 +169,14 @@ def test_worker_cold_start_for_a_workers_first_task_not_for_a_busy_pool():
 
 def test_a_healthy_offload_fires_nothing():
     assert run(offload(queue=0.5, send=0.4, run=90, ret=0.3, run_fields={"runqueue_ms": 1.0, "cpu_ms": 88.0})) == {}
+
+
+@pytest.mark.parametrize(
+    ("n", "shown"),
+    [(0, "0 B"), (100, "100 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536, "1.5 KiB"), (2**15, "32.0 KiB"),
+     (2**20 - 1, "1024.0 KiB"), (2**20, "1.0 MiB"), (5 * 2**20 + 2**19, "5.5 MiB")],
+)  # fmt: skip
+def test_a_payload_size_reads_in_bytes_kib_or_mib_from_each_unit_s_first_value(n, shown):
+    from stagetrace.analysis.diagnosis import _size
+
+    assert _size(n) == shown

@@ -35,7 +35,6 @@ class OffloadFields(NamedTuple):
     worker_task_seq: int | None  # 1: the worker's first task
     worker_started_ns: int | None  # when the worker process started
     worker_idle_ns: int | None  # when the worker was last free before this task (its previous task's end)
-    received_ns: int | None  # the worker began reading the task
     run_start_ns: int | None  # ... and began running it
     run_end_ns: int | None
     run_cpu_start: Any  # the worker thread's CPU readings around the run (as a stage's cpu_start / cpu_end)
@@ -52,7 +51,6 @@ _INT_OR_NONE = (
     "worker_task_seq",
     "worker_started_ns",
     "worker_idle_ns",
-    "received_ns",
     "run_start_ns",
     "run_end_ns",
     "result_bytes",
@@ -120,9 +118,9 @@ def split_offload(f: OffloadFields, done_ns: int) -> OffloadSplit | None:
     one, a report of another call) are clamped into it, in order.
 
     The serialisation happened on a pool thread while the call may still have queued; its length counts
-    as ``send``, and so does the bytes' time in the pipe from when a worker was free to read them (the later
-    of the serialisation's end and the worker's previous task's end) to the worker's first read, and the
-    worker's deserialisation. The rest of the wait before the run is ``queue``."""
+    as ``send``, and so does everything from when a worker was free to read the bytes (the later of the
+    serialisation's end and the worker's previous task's end) to the run's start: their time in the pipe
+    and their deserialisation in the worker. The rest of the wait before the run is ``queue``."""
     if f.run_start_ns is None or f.run_end_ns is None:
         return None
     start = f.submitted_ns
@@ -133,7 +131,6 @@ def split_offload(f: OffloadFields, done_ns: int) -> OffloadSplit | None:
 
     run_start = within(f.run_start_ns)
     run_end = max(within(f.run_end_ns), run_start)
-    received = min(within(f.received_ns), run_start) if f.received_ns is not None else run_start
     pickling = 0
     ready = start
     if f.pickle_start_ns is not None and f.pickle_end_ns is not None:
@@ -141,8 +138,7 @@ def split_offload(f: OffloadFields, done_ns: int) -> OffloadSplit | None:
         ready = max(ready, f.pickle_end_ns)
     if f.worker_idle_ns is not None:
         ready = max(ready, f.worker_idle_ns)
-    in_pipe = max(0, received - ready)
-    send_ns = min(run_start - start, pickling + in_pipe + (run_start - received))
+    send_ns = min(run_start - start, pickling + max(0, run_start - ready))
     queue_end = run_start - send_ns
     return OffloadSplit((start, queue_end), (queue_end, run_start), (run_start, run_end), (run_end, end))
 

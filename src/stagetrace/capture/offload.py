@@ -150,14 +150,13 @@ class PendingOffload:
         called = (self.executor, self.max_workers, self.in_flight, self.start_method, self.run_span_id)
         sent = (self.submitted_ns, self.pickle_start_ns, self.pickle_end_ns, self.args_bytes)
         if report is None:
-            return OffloadFields(*called, *sent, *(None,) * 9, result_bytes)
+            return OffloadFields(*called, *sent, *(None,) * 8, result_bytes)
         r = report
         ran = (
             r.worker_pid,
             r.task_seq,
             r.started_ns,
             r.idle_ns,
-            r.received_ns,
             r.run_start_ns,
             r.run_end_ns,
             r.cpu_start,
@@ -272,23 +271,22 @@ class OffloadCall:
 
 
 def _arrive(data: bytes, ticket: tuple[Any, ...]) -> WorkerCall:
-    """In the worker, as the task is read: the call, with when it arrived."""
-    received = _perf_ns()
+    """In the worker, as the task is read: the call."""
     fn, args, kwargs = pickle.loads(data)
-    return WorkerCall(fn, args, kwargs, Ticket(*ticket), received)
+    return WorkerCall(fn, args, kwargs, Ticket(*ticket))
 
 
 class WorkerCall:
     """The call in its worker: run under the request's context (``capture.worker.run_call``), its result
     wrapped to carry the worker's report back; an exception raised as it was, the report attached."""
 
-    __slots__ = ("args", "fn", "kwargs", "received_ns", "ticket")
+    __slots__ = ("args", "fn", "kwargs", "ticket")
 
-    def __init__(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ticket: Ticket, received: int) -> None:
-        self.fn, self.args, self.kwargs, self.ticket, self.received_ns = fn, args, kwargs, ticket, received
+    def __init__(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ticket: Ticket) -> None:
+        self.fn, self.args, self.kwargs, self.ticket = fn, args, kwargs, ticket
 
     def __call__(self) -> Any:
-        ok, value, report = run_call(self.fn, self.args, self.kwargs, self.ticket, self.received_ns)
+        ok, value, report = run_call(self.fn, self.args, self.kwargs, self.ticket)
         if ok:
             return value if report is None else OffloadResult(value, report)
         if report is not None:

@@ -51,7 +51,6 @@ class Report(NamedTuple):
     task_seq: int  # 1: the worker's first task
     started_ns: int  # when the worker process started
     idle_ns: int  # when the worker was last free before this task
-    received_ns: int  # it began reading the task
     run_start_ns: int
     run_end_ns: int
     cpu_start: Any
@@ -181,7 +180,7 @@ def note_idle() -> None:
         worker.idle_since_ns = _perf_ns()
 
 
-def run_call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ticket: Ticket, received_ns: int) -> Any:
+def run_call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ticket: Ticket) -> Any:
     """Run ``fn`` as the offloaded call ``ticket`` names; returns ``(True, result, report)`` or
     ``(False, exception, report)``. The call runs exactly as it would without stagetrace: a failure of
     stagetrace's own bookkeeping runs it bare and reports nothing (``report`` None)."""
@@ -231,7 +230,7 @@ def run_call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], ticket: Tic
         packed = pack_stages(stages)  # marked as the worker's where they are placed (exporter/offload.py)
         error = None if outcome[0] else describe_exception(outcome[1])
         report: Report | None = Report(
-            ticket.call_id, ticket.parent_pid, worker.pid, seq, worker.started_ns, idle, received_ns,
+            ticket.call_id, ticket.parent_pid, worker.pid, seq, worker.started_ns, idle,
             run_start, run_end,
             cpu_start, cpu_end, packed, trace.dropped_stages + rt.lost - lost_before, error,
         )  # fmt: skip
