@@ -57,12 +57,12 @@ CHARGED = [0.5, 2.0, 6.0, 0.7]
 def test_every_figure_of_a_four_chunk_stream():
     s = summarise_stream(ROOT_NS, FOUR_CHUNKS, STAGES, CHARGED)
     assert s.chunks == 4
-    assert s.first_chunk_ms == pytest.approx(3.0)  # 4 ms - the root's 1 ms
-    assert s.streaming_ms == pytest.approx(6.0)  # 10 ms - 4 ms
-    assert s.gap_p50_ms == pytest.approx(2.0)  # the median of 1, 2, 3
-    assert s.gap_p99_ms == pytest.approx(2.98)  # 2 + (3 - 2) x (0.99 x 2 - 1), numpy's linear rule
-    assert s.gap_max_ms == pytest.approx(3.0)
-    assert s.send_wait_ms == pytest.approx(0.5)
+    assert s.first_chunk_ms == pytest.approx(3.0, abs=1e-9)  # 4 ms - the root's 1 ms
+    assert s.streaming_ms == pytest.approx(6.0, abs=1e-9)  # 10 ms - 4 ms
+    assert s.gap_p50_ms == pytest.approx(2.0, abs=1e-9)  # the median of 1, 2, 3
+    assert s.gap_p99_ms == pytest.approx(2.98, abs=1e-9)  # 2 + (3 - 2) x (0.99 x 2 - 1), numpy's linear rule
+    assert s.gap_max_ms == pytest.approx(3.0, abs=1e-9)
+    assert s.send_wait_ms == pytest.approx(0.5, abs=1e-9)
     assert s.disconnected is True
     assert s.first_chunk_breakdown == pytest.approx({"queue": 0.5, "prefill": 2.0, "decode": 0.5})
     assert s.gap_breakdown == pytest.approx({"decode": 5.5, "detokenize": 0.2})
@@ -76,7 +76,7 @@ def test_two_chunks_have_one_gap_and_one_chunk_has_none():
         gap_sample=(5 * MS,), disconnected=False,
     )  # fmt: skip
     s = summarise_stream(ROOT_NS, two, STAGES, CHARGED)
-    assert (s.gap_p50_ms, s.gap_p99_ms, s.gap_max_ms) == pytest.approx((5.0, 5.0, 5.0))
+    assert (s.gap_p50_ms, s.gap_p99_ms, s.gap_max_ms) == pytest.approx((5.0, 5.0, 5.0), abs=1e-9)
     assert s.gaps == GapHistogram(counts(5), 5.0, 5.0, 5.0) and s.disconnected is False
     one = FOUR_CHUNKS._replace(
         chunks=1, last_ns=4 * MS, gap_counts=counts(), gap_sum_ns=0, gap_min_ns=0, gap_max_ns=0, gap_sample=()
@@ -146,6 +146,8 @@ def test_the_headline_share_is_capped_at_the_whole_phase_and_empty_phases_have_n
     assert exact.ratio == pytest.approx(0.5)
     empty = judge_phases(summary(first_chunk_ms=2.0, before={}), StreamThresholds(1.0, 100.0))
     assert (empty.reason, empty.bottleneck, empty.ratio) == (c.SLOW_FIRST_CHUNK, None, 0.0)
+    short = judge_phases(summary(first_chunk_ms=0.8, before={"prefill": 0.4}), StreamThresholds(0.5, 100.0))
+    assert short.ratio == pytest.approx(0.5)  # a phase under a millisecond still has its shares
     instant = judge_phases(summary(streaming_ms=0.0, gap_p99_ms=5.0), StreamThresholds(100.0, 1.0))
     assert (instant.bottleneck, instant.ratio) == ("decode", 0.0)  # no phase to take a share of
 
@@ -179,6 +181,7 @@ def test_a_shipped_stream_tuple_is_checked_field_by_field():
         "sample as a list": tuple(FOUR_CHUNKS._replace(gap_sample=list(FOUR_CHUNKS.gap_sample))),
         "counts on other buckets": tuple(FOUR_CHUNKS._replace(gap_counts=(3,))),
         "chunks without gaps": tuple(FOUR_CHUNKS._replace(gap_sample=())),
+        "two chunks without their gap": tuple(FOUR_CHUNKS._replace(chunks=2, gap_sample=())),
         "a gap without a second chunk": tuple(FOUR_CHUNKS._replace(chunks=1)),
     }
     for why, value in bad.items():
@@ -186,3 +189,19 @@ def test_a_shipped_stream_tuple_is_checked_field_by_field():
             stream_fields(value)
         assert raised.value.args, why
     assert stream_fields(tuple(FOUR_CHUNKS._replace(chunks=1, gap_sample=()))).chunks == 1
+
+
+def test_a_name_s_occurrences_add_up_in_each_phase_and_uncharged_stages_are_passed_over():
+    """Two decodes before the first chunk (0.5 and 1 ms) and two between (2 and 3 ms), an uncharged stage between
+    them; an instant GPU stage (its host side takes no time) between the chunks, one at the first chunk's
+    moment and one at the last's: each phase holds each name's sum, the instants only where strictly inside."""
+    stages = [
+        cpu("decode", 1.0, 1.5), cpu("idle", 1.5, 2.0), cpu("decode", 2.0, 3.0),
+        cpu("decode", 5.0, 7.0), cpu("decode", 7.0, 10.0),
+        cpu("h2d", 6.0, 6.0, kind="h2d"), cpu("h2d.first", 4.0, 4.0, kind="h2d"),
+        cpu("h2d.last", 10.0, 10.0, kind="h2d"),
+    ]  # fmt: skip
+    charged = [0.5, None, 1.0, 2.0, 3.0, 0.25, 0.1, 0.1]
+    s = summarise_stream(ROOT_NS, FOUR_CHUNKS, stages, charged)
+    assert s.first_chunk_breakdown == {"decode": 1.5, "h2d.first": 0.1}
+    assert s.gap_breakdown == {"decode": 5.0, "h2d": 0.25}

@@ -97,10 +97,11 @@ def split_phases(
         share_before = 1.0 if end <= first_ns else 0.0 if start >= first_ns else (first_ns - start) / span
         if share_before > 0:
             before[st.name] = before.get(st.name, 0.0) + ms * share_before
-        if share_before < 1 and start < last_ns:
-            inside = (min(end, last_ns) - max(start, first_ns)) / span if span else 1.0
-            if inside > 0:
-                between[st.name] = between.get(st.name, 0.0) + ms * min(1.0, inside)
+        # Its share of the stream's span (none for a stage wholly before the first chunk or from the last on);
+        # an instant (a GPU stage's host side) between the two chunks is wholly there.
+        inside = (min(end, last_ns) - max(start, first_ns)) / span if span else float(first_ns < start < last_ns)
+        if inside > 0:
+            between[st.name] = between.get(st.name, 0.0) + ms * min(1.0, inside)
     return before, between
 
 
