@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from opentelemetry.trace import SpanKind, StatusCode
 
+import stagetrace
 from stagetrace import conventions as c
 from stagetrace.analysis import BatchInfo, Diagnosis, Verdict
 from stagetrace.common import wire
@@ -42,6 +43,8 @@ def test_a_stage_span_carries_its_times_ids_and_kind():
     assert span[F["status_code"]] == StatusCode.UNSET.value and span[F["status_description"]] == ""
     assert span[F["events"]] == () and span[F["links"]] == ()
     assert (span[F["flags"]], span[F["trace_state"]], span[F["dropped_attributes"]]) == (1, "k=v", 0)
+    assert (span[F["dropped_events"]], span[F["dropped_links"]]) == (0, 0)
+    assert (span[F["scope_name"]], span[F["scope_version"]]) == (c.INSTRUMENTATION_NAME, stagetrace.__version__)
     assert span[F["attributes"]] == {c.STAGE: "decode", c.STAGE_KIND: "cpu", c.ON_EVENT_LOOP: True}
 
 
@@ -392,3 +395,53 @@ def test_a_folded_field_of_zeros_and_of_its_own_type_is_read_as_is():
     assert compressed_info((0, 0, 0, 0)) == CompressedInfo(0, 0, 0, 0)
     info = CompressedInfo(3, 30, 5, 15)
     assert compressed_info(info) is info and compressed_info(None) is None
+
+
+def test_a_stage_span_has_the_callers_extra_attributes_its_batch_s_and_its_link_with_the_trace_s_flags():
+    member = record("infer", batch=BatchInfo(**{**BASE_BATCH, "max_size": 16}, link_trace_id=7, link_span_id=8))
+    span = sp.stage_span(member, 1, 0, 3, "", extra={c.LATE: True})
+    attrs = span[F["attributes"]]
+    assert attrs[c.LATE] is True and attrs[c.BATCH_ID] == BASE_BATCH["id"] and attrs[c.BATCH_MAX_SIZE] == 16
+    assert span[F["links"]] == ((7, 8, 3, "", {}),)  # the trace's flags (3), not the default
+
+
+def test_a_member_batch_stage_of_an_empty_batch_has_a_fill_of_zero():
+    empty = record(
+        "infer", batch=BatchInfo(**{**BASE_BATCH, "items": 0, "max_size": 16}, link_trace_id=1, link_span_id=2)
+    )
+    assert sp.batch_attributes(empty)[c.BATCH_FILL] == 0.0
+
+
+def test_a_folded_stage_of_seconds_keeps_milliseconds_to_three_places():
+    # 10 s summed, the least 1.234567 ms and the most 3 s: a wrong divisor or rounding shows at this size
+    folded = record("decode_step", compressed=(3, 10_000_000_000, 1_234_567, 3_000_000_000))
+    attrs = sp.stage_span(folded, 1, 0, 1, "")[F["attributes"]]
+    assert (attrs[c.COMPRESSED_SUM_MS], attrs[c.COMPRESSED_MIN_MS], attrs[c.COMPRESSED_MAX_MS]) == (
+        10_000.0, 1.235, 3_000.0,
+    )  # fmt: skip
+    assert type(attrs[c.COMPRESSED_MIN_MS]) is float
+
+
+def test_an_offload_stage_carries_its_call_s_facts_and_a_failed_call_its_error_type():
+    from stagetrace.analysis.offload import OffloadInfo
+
+    def placed(**fields):  # as exporter/offload.py leaves it: the call's facts in place of its raw readings
+        stage = record("tokenize", "offload", **fields)
+        stage.offload = OffloadInfo("ProcessPoolExecutor", 2, 3, 5000, None, "spawn", 42, 1)
+        return stage
+
+    attrs = sp.stage_span(placed(), 1, 0, 1, "")[F["attributes"]]
+    assert {k: v for k, v in attrs.items() if k.startswith("stagetrace.offload.")} == {
+        c.OFFLOAD_EXECUTOR: "ProcessPoolExecutor",
+        c.OFFLOAD_MAX_WORKERS: 2,
+        c.OFFLOAD_IN_FLIGHT: 3,
+        c.OFFLOAD_ARGS_BYTES: 5000,
+        c.OFFLOAD_START_METHOD: "spawn",
+        c.OFFLOAD_WORKER_PID: 42,
+        c.OFFLOAD_WORKER_TASK_SEQ: 1,
+    }  # fmt: skip  (no result came back: no result_bytes)
+    assert c.ERROR_TYPE not in attrs
+    broken = placed(error=("BrokenProcessPool", "a worker died", ""))
+    assert sp.stage_span(broken, 1, 0, 1, "")[F["attributes"]][c.ERROR_TYPE] == "BrokenProcessPool"
+    failed_stage = sp.stage_span(record("decode", error=("ValueError", "m", "")), 1, 0, 1, "")[F["attributes"]]
+    assert c.ERROR_TYPE not in failed_stage  # a stage of the application's own says it in its exception event
