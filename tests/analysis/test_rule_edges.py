@@ -240,3 +240,23 @@ def test_a_stage_exactly_min_stage_ms_long_and_blocked_is_looked_at_and_one_a_ha
     assert not blocked_enough(cpu("tokenize", 0, th.min_stage_ms - 0.001, blocked_ms=5.0), th)
     assert not blocked_enough(cpu("tokenize", 0, 20, blocked_ms=4.999), th)  # under blocked_min_ms
     assert not blocked_enough(cpu("tokenize", 0, 20, kind="io", blocked_ms=20.0), th)  # only CPU stages
+
+
+def test_the_gil_holders_are_preempted_only_when_they_had_time_and_half_of_it_queued():
+    from stagetrace.analysis.causes import holders_preempted
+
+    th = DiagnosisThresholds()
+    assert holders_preempted(cpu("s", 0, 10), th) is None  # not read
+    assert holders_preempted(cpu("s", 0, 10, others_cpu_ms=0.0, others_runqueue_ms=0.0), th) is False  # no time
+    assert holders_preempted(cpu("s", 0, 10, others_cpu_ms=0.0, others_runqueue_ms=0.5), th) is True  # half a ms
+    assert holders_preempted(cpu("s", 0, 10, others_cpu_ms=5.0, others_runqueue_ms=5.0), th) is True  # exactly half
+    assert holders_preempted(cpu("s", 0, 10, others_cpu_ms=5.0, others_runqueue_ms=4.9), th) is False
+
+
+def test_a_batch_field_is_read_once_and_none_stays_none():
+    from stagetrace.analysis.model import batch_info
+
+    info = BatchInfo("ab" * 8, 3, 8, 0, 2, 16, formation_ms=1.5, busy_ms=0.5)
+    assert batch_info(None) is None and batch_info(info) is info and batch_info(tuple(info)) == info
+    with pytest.raises(ValueError, match=r"^malformed batch field$"):
+        batch_info((1, 2))

@@ -1,0 +1,245 @@
+"""The report's figures on hand-computed inputs: the quantile sketch's bucket formula, counts sent back
+already bucketed (as ClickHouse sends them) and merges; the aggregator of parts merged into the aggregator of
+the whole, with parts chosen so that a field merged wrongly (dropped, doubled, taken from the wrong side)
+gives another answer; the table of calls handed to process pools, weighted."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from stagetrace.analysis import Verdict
+from stagetrace.analysis.diagnosis import Diagnosis
+from stagetrace.analysis.offload import OffloadedCall, OffloadInfo
+from stagetrace.analysis.streams import StreamSummary
+from stagetrace.report.aggregate import Aggregator, Counted, OffloadSummary, Tally
+from stagetrace.report.sketch import Bucket, QuantileSketch
+
+GAMMA = 1.01 / 0.99  # the bucket growth of alpha = 1 %: (1 + alpha) / (1 - alpha)
+
+
+def midpoint(key: int) -> float:
+    """What the sketch reads back for a value of bucket ``key``: the bucket's midpoint, 2 gamma^k / (gamma + 1)."""
+    return 2 * GAMMA**key / (GAMMA + 1)
+
+
+# --- the sketch ------------------------------------------------------------------------------------------------
+
+
+def test_a_value_s_bucket_is_the_ceiling_of_its_log_in_base_gamma_and_zeros_have_none():
+    s = QuantileSketch()
+    assert s.log_gamma == pytest.approx(math.log(GAMMA), rel=1e-12)
+    # ln(100) / ln(1.0202...) = 230.26: bucket 231; 1 is bucket 0; gamma itself closes bucket 1; ln(0.5) / ... =
+    # -34.66: bucket -34
+    assert [s.bucket_key(v) for v in (100.0, 1.0, GAMMA, GAMMA * 1.0001, 0.5)] == [231, 0, 1, 2, -34]
+    assert s.bucket_key(1e-9) is None and s.bucket_key(0.0) is None and s.bucket_key(-3.0) is None
+    assert s.bucket_key(2e-9) == math.ceil(math.log(2e-9) / math.log(GAMMA))  # just over the zero mark
+
+
+def test_quantiles_read_the_bucket_of_the_rank_q_times_n_minus_1_clamped_to_the_values_seen():
+    s = QuantileSketch()
+    for v in (0.0, 0.0, 1.0, 2.0, 3.0, 100.0):
+        s.add(v)
+    assert (s.count, s.zeros, s.sum, s.min, s.max) == (6, 2, 106.0, 0.0, 100.0)
+    assert s.quantile(0.0) == 0.0 and s.quantile(0.3) == 0.0  # ranks 0 and 1.5: among the two zeros
+    assert s.quantile(0.4) == midpoint(0) == pytest.approx(0.99)  # rank 2: the value 1, bucket 0
+    assert s.quantile(0.5) == midpoint(0)  # rank 2.5: the first bucket whose count passes it, still the 1's
+    assert s.quantile(0.6) == midpoint(s.bucket_key(2.0)) == midpoint(35)  # rank 3: the value 2
+    assert s.quantile(1.0) == 100.0  # bucket 231's midpoint (100.4) clamped to the largest value seen
+    assert s.mean == pytest.approx(106 / 6)
+    assert QuantileSketch().quantile(0.5) == 0.0 and QuantileSketch().mean == 0.0
+    one = QuantileSketch()
+    one.add(7.0)
+    assert one.quantile(0.0) == one.quantile(1.0) == 7.0  # rank 0 of one value: itself, clamped
+
+
+def test_weights_count_as_that_many_values():
+    s = QuantileSketch()
+    s.add(1.0, weight=3)
+    s.add(50.0, weight=1)
+    assert (s.count, s.sum) == (4, 53.0)
+    assert s.quantile(0.5) == 1.0  # rank 1.5 of 4: within the three 1s (bucket 0's midpoint, 0.99, clamped up)
+    assert s.quantile(1.0) == midpoint(s.bucket_key(50.0))  # rank 3: the 50's bucket (49.90, within 1 %)
+
+
+def test_counts_sent_back_bucketed_read_as_the_values_themselves():
+    """A database buckets 0, 0, 2, 2.01 (one bucket: 2 and 2.01 share key 35) and 9 (key 110) and sends the counts
+    back; the sketch reads the same count, sum, extremes and quantiles as one that saw the values; a bucket
+    of nothing adds nothing."""
+    values = (0.0, 0.0, 2.0, 2.01, 9.0)
+    direct = QuantileSketch()
+    for v in values:
+        direct.add(v)
+    k2, k9 = direct.bucket_key(2.0), direct.bucket_key(9.0)
+    assert k2 == direct.bucket_key(2.01) == 35 and k9 == 110
+    sent = QuantileSketch()
+    for bucket in (Bucket(None, 2, 0.0, 0.0, 0.0), Bucket(35, 2, 4.01, 2.0, 2.01), Bucket(110, 1, 9.0, 9.0, 9.0),
+                   Bucket(7, 0, 99.0, -5.0, 500.0)):  # fmt: skip
+        sent.add_bucket(bucket)
+    assert (sent.count, sent.zeros, sent.sum, sent.min, sent.max) == (5, 2, pytest.approx(13.01), 0.0, 9.0)
+    assert [sent.quantile(q) for q in (0.25, 0.5, 0.75, 1.0)] == [direct.quantile(q) for q in (0.25, 0.5, 0.75, 1.0)]
+    assert sent.quantile(0.5) == midpoint(35)  # rank 2: the first value of bucket 35
+
+
+def test_sketches_of_parts_merge_into_the_sketch_of_the_whole():
+    """[0, 5, 50] and [1, 2, 500] (weights 1, 2, 1 and 1, 1, 3): count, zeros, sum and extremes add up, and the
+    quantiles are those of one sketch fed all six; sketches of another accuracy do not merge."""
+    a, b, whole = QuantileSketch(), QuantileSketch(), QuantileSketch()
+    for sketch, pairs in ((a, ((0.0, 1), (5.0, 2), (50.0, 1))), (b, ((1.0, 1), (2.0, 1), (500.0, 3)))):
+        for value, weight in pairs:
+            sketch.add(value, weight)
+            whole.add(value, weight)
+    a.merge(b)
+    assert (a.count, a.zeros, a.sum, a.min, a.max) == (9, 1, 1563.0, 0.0, 500.0)
+    assert [a.quantile(q / 8) for q in range(9)] == [whole.quantile(q / 8) for q in range(9)]
+    assert a.quantile(0.5) == midpoint(a.bucket_key(5.0))  # rank 4 of 9: 0, 1, 2, 5, 5 -> the second 5
+    with pytest.raises(ValueError, match="different accuracy"):
+        a.merge(QuantileSketch(alpha=0.02))
+
+
+# --- the aggregator --------------------------------------------------------------------------------------------
+
+
+def verdict(trace_id: str, total_ms: float, breakdown: dict[str, float], **changes: Any) -> Verdict:
+    fields: dict[str, Any] = dict(
+        trace_id=trace_id, root_name="POST /x", total_ms=total_ms, breakdown=breakdown,
+        bottleneck=max(breakdown, key=breakdown.__getitem__), ratio=0.5, slow=False, slow_threshold_ms=200.0,
+        untracked_ms=0.0,
+    )  # fmt: skip
+    fields.update(changes)
+    return Verdict(**fields)
+
+
+def stream(first_ms: float, gap_p99_ms: float | None, chunks: int, bottleneck: str) -> StreamSummary:
+    return StreamSummary(
+        chunks=chunks, first_chunk_ms=first_ms, streaming_ms=1000.0, gap_p50_ms=gap_p99_ms, gap_p99_ms=gap_p99_ms,
+        gap_max_ms=gap_p99_ms, send_wait_ms=0.0, disconnected=chunks < 5, first_chunk_bottleneck="prefill",
+        gap_bottleneck=bottleneck, first_chunk_breakdown={}, gap_breakdown={}, gaps=None,
+    )  # fmt: skip
+
+
+def call(queue_ms: float, seq: int, in_flight: int, args: int, result: int | None, executor: str) -> OffloadedCall:
+    return OffloadedCall("tokenize", OffloadInfo(executor, 2, in_flight, args, result, worker_task_seq=seq),
+                         queue_ms, 1.0, 10.0, 0.5)  # fmt: skip
+
+
+def part_a() -> Aggregator:
+    agg = Aggregator(keep_slowest=2)
+    agg.add(
+        verdict(
+            "a1", 300.0, {"decode": 200.0, "infer": 100.0}, slow=True, slow_reason="gap",
+            diagnoses=(Diagnosis("X", "a1's finding", "advice", evidence="a1's evidence"),),
+            stream=stream(40.0, 120.0, 11, "decode"), gpu_utilization=0.25,
+            offloads=(call(4.0, 1, 1, 100, 80, "ProcessPoolExecutor"),),
+        ),
+        weight=2,
+    )  # fmt: skip
+    agg.add(verdict("a2", 50.0, {"decode": 30.0, "infer": 20.0}, gpu_utilization=0.75))
+    agg.add_batch("infer.batch", 4, 0.5)
+    agg.counted = Counted(10, 2)
+    return agg
+
+
+def part_b() -> Aggregator:
+    agg = Aggregator(keep_slowest=2)
+    agg.add(
+        verdict(
+            "b1", 900.0, {"infer": 600.0, "post": 300.0}, slow=True, slow_reason="total",
+            diagnoses=(Diagnosis("X", "b1's finding", "advice", evidence="b1's evidence"), Diagnosis("Y", "y", "")),
+            stream=stream(10.0, None, 3, "infer"), stage_kinds={"infer": "gpu"},
+            offloads=(call(9.0, 2, 3, 400, None, "multiprocessing.Pool"),),
+        )
+    )  # fmt: skip
+    agg.add(verdict("b2", 120.0, {"post": 120.0}))
+    agg.add_batch("infer.batch", 8, 1.0)
+    agg.add_batch_wait("infer.batch.queue", 2.0, 6.0)
+    agg.counted = Counted(5, 1)
+    return agg
+
+
+def test_parts_merged_are_the_whole_figure_by_figure():
+    """Two parts of four traces (one weighing 2): merged, every figure of the summary is that of one aggregator
+    fed all four, and the hand-computed ones are: 5 requests of 4 traces, 3 slow (2 by the gaps, 1 by the
+    total), the exact counts summed, X's example and evidence from the part merged into, the two slowest."""
+    merged = part_a()
+    merged.merge(part_b())
+    (b1, _), (b2, _) = part_b().slowest()
+    whole = part_a()  # the same traces fed one by one: b's two verdicts, batch and batch wait added to a
+    whole.add(b1)
+    whole.add(b2)
+    whole.add_batch("infer.batch", 8, 1.0)
+    whole.add_batch_wait("infer.batch.queue", 2.0, 6.0)
+    whole.counted = Counted(15, 3)
+    got = merged.summary()
+    assert got == whole.summary()
+    assert (got["traces"], got["requests"], got["slow_traces"], got["slow_requests"]) == (4, 5, 2, 3)
+    assert got["slow_reasons"] == {"gap": 2, "total": 1} and got["counted"] == {"requests": 15, "slow": 3}
+    assert got["diagnoses"] == {"X": 3, "Y": 1} and got["bottlenecks"] == {"decode": 3, "infer": 1, "post": 1}
+    assert got["examples"]["X"] == "a1's finding" and got["evidence"] == {"X": "a1's evidence"}
+    stages = got["stages"]
+    assert {n: s["traces"] for n, s in stages.items()} == {"decode": 2, "infer": 3, "post": 2}
+    assert stages["infer"]["kind"] == "cpu"  # the kind first seen (a's), not b's "gpu"
+    assert stages["decode"]["mean_ms"] == pytest.approx((200 * 2 + 30) / 3, abs=1e-3)
+    # decode's share: 200/300 of a1 (weight 2) and 30/50 of a2, over 5 requests
+    assert stages["decode"]["mean_share"] == pytest.approx(round((2 * 200 / 300 + 30 / 50) / 5, 4))
+    assert [s["trace_id"] for s in got["slowest"]] == ["b1", "a1"]
+    assert got["gpu_utilization"]["mean"] == pytest.approx((0.25 * 2 + 0.75) / 3, abs=1e-4)
+    assert got["batches"]["infer.batch"]["executions"] == 2 and got["batches"]["infer.batch"]["size_mean"] == 6.0
+    assert got["batches"]["infer.batch"]["fill_mean"] == 0.75
+    assert got["batch_waits"]["infer.batch.queue"]["requests"] == 1
+    streams = got["streams"]
+    assert streams["streams"] == 3 and streams["disconnected"] == 1  # a1 twice, b1's 3 chunks: disconnected
+    assert streams["chunks_mean"] == pytest.approx((11 * 2 + 3) / 3, abs=0.05)
+    assert streams["gap_bottlenecks"] == {"decode": 2, "infer": 1} and streams["gap_p99_ms"]["p50"] == pytest.approx(
+        120.0, rel=0.01
+    )  # b1 has no gaps: only a1's, twice
+    offload = got["offloads"]["tokenize"]
+    assert offload["executor"] == "ProcessPoolExecutor"  # the first seen
+    assert (offload["calls"], offload["first_tasks"], offload["saturated"]) == (3, 2, 1)
+    assert offload["args_bytes_mean"] == round((100 * 2 + 400) / 3)
+    assert offload["result_bytes_mean"] == round(80 * 2 / 3)  # the lost result counts as nothing
+
+
+def test_counts_merge_from_a_part_that_has_them_into_one_that_has_none():
+    merged = Aggregator()
+    merged.merge(part_a())
+    assert merged.counted == Counted(10, 2)
+    merged.merge(Aggregator())  # a part without counts leaves them as they are
+    assert merged.counted == Counted(10, 2)
+
+
+def test_tallies_add_name_by_name():
+    a, b = Tally(), Tally()
+    a["x"] += 1.5
+    b["x"] += 2
+    b["y"] += 0.5
+    a.add_all(b)
+    assert dict(a) == {"x": 3.5, "y": 0.5} and dict(b) == {"x": 2, "y": 0.5}
+
+
+def test_an_offload_table_row_weighs_its_calls_and_reads_their_quantiles():
+    """Queue 1 ms (weight 1) and 3 ms (weight 2): 3 calls; the p50 (rank 1 of 3) and p95 are the 3 ms bucket; a
+    call that found more calls than workers is saturated, a worker's first task is counted; an empty row
+    divides by one, not zero."""
+    row = OffloadSummary()
+    row.add(call(1.0, 1, 2, 300, 30, "ProcessPoolExecutor"))
+    row.add(call(3.0, 5, 3, 600, 60, "ProcessPoolExecutor"), weight=2)
+    got = row.summary()
+    assert got["calls"] == 3 and got["first_tasks"] == 1 and got["saturated"] == 2
+    assert got["queue_p50_ms"] == got["queue_p95_ms"] == round(midpoint(QuantileSketch().bucket_key(3.0)), 3)
+    # every call sent for 1 ms, ran 10 ms, returned in 0.5 ms: the buckets' midpoints clamped to the one value
+    assert (got["send_p50_ms"], got["run_p50_ms"], got["return_p50_ms"]) == (1.0, 10.0, 0.5)
+    assert (got["args_bytes_mean"], got["result_bytes_mean"]) == (500, 50)
+    empty = OffloadSummary().summary()
+    assert empty["calls"] == 0 and empty["args_bytes_mean"] == 0 and empty["queue_p50_ms"] == 0.0
+    other = OffloadSummary()
+    other.add(call(20.0, 1, 1, 900, None, "multiprocessing.Pool"))
+    row.merge(other)
+    merged = row.summary()
+    assert merged["executor"] == "ProcessPoolExecutor" and merged["calls"] == 4 and merged["first_tasks"] == 2
+    assert merged["args_bytes_mean"] == round((300 + 1200 + 900) / 4) and merged["saturated"] == 2
+    # queue 1, 3, 3, 20: the p95 (rank 2.85 of 4) is still the 3 ms bucket, the largest is the 20 ms one
+    assert merged["queue_p95_ms"] == round(midpoint(QuantileSketch().bucket_key(3.0)), 3)
+    assert row.queue.quantile(1.0) == midpoint(QuantileSketch().bucket_key(20.0)) and row.queue.max == 20.0
