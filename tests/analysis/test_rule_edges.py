@@ -260,3 +260,43 @@ def test_a_batch_field_is_read_once_and_none_stays_none():
     assert batch_info(None) is None and batch_info(info) is info and batch_info(tuple(info)) == info
     with pytest.raises(ValueError, match=r"^malformed batch field$"):
         batch_info((1, 2))
+
+
+def test_composites_cover_their_summed_occurrences_and_what_runs_under_them_is_not_counted_again():
+    """A 100 ms root: a late stage (after the root: not covering it), decode 0-10 ms, a composite of 50 steps
+    (30 ms summed, its host interval 10-90 ms) with a stage under it and one under that, post 90-95 ms, a
+    second composite of 5 ms summed at 95-100 ms: covered = 10 + 5 (real) + 30 + 5 (folded), untracked 50 ms."""
+    from stagetrace.analysis.model import CompressedInfo
+
+    stages = [
+        cpu("late", 120, 130),
+        cpu("decode", 0, 10),
+        cpu("step", 10, 90, span_id=7, compressed=CompressedInfo(50, 30 * MS, MS // 2, MS)),
+        cpu("inner", 20, 25, span_id=8, parent_stage_id=7),
+        cpu("inner.deeper", 21, 22, span_id=9, parent_stage_id=8),
+        cpu("post", 90, 95),
+        cpu("tok", 95, 100, span_id=10, compressed=CompressedInfo(5, 5 * MS, MS, MS)),
+    ]
+    a = analyse_trace(0, 100 * MS, stages, 200)
+    assert a.untracked_ms == pytest.approx(50.0, abs=1e-9)
+    wide = cpu("step", 10, 90, span_id=7, compressed=CompressedInfo(50, 95 * MS, MS, 3 * MS))
+    more = [*stages[:2], wide, *stages[3:]]
+    assert analyse_trace(0, 100 * MS, more, 200).untracked_ms == 0.0  # covered past the root: none untracked
+
+
+def test_a_rule_summing_a_kind_of_time_reads_a_composite_s_occurrences():
+    from stagetrace.analysis.model import CompressedInfo, occurrences_ms
+
+    assert occurrences_ms(cpu("wait", 0, 4, compressed=CompressedInfo(9, 12_345_678, MS, 2 * MS))) == 12.345678
+    assert occurrences_ms(cpu("wait", 0, 4)) == 4.0
+
+
+@pytest.mark.parametrize(
+    "signals",
+    [TraceSignals(loop_lag_ms=500.0), TraceSignals(loop_held_ms=500.0, loop_lag_ms=500.0, blocked_by=("decode@1",))],
+    ids=["lag", "held"],
+)
+def test_the_unreachable_thresholds_silence_the_event_loop_rule_by_lag_and_by_a_held_wait(signals):
+    wait = cpu("event_loop.wait", 0, 90, kind="wait")
+    assert run([wait, cpu("t", 90, 95)], signals=signals, thresholds=DiagnosisThresholds.silent()) == {}
+    assert "EVENT_LOOP_BLOCKED" in run([wait, cpu("t", 90, 95)], signals=signals)

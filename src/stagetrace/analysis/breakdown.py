@@ -140,7 +140,7 @@ def analyse_trace(
     if starts != sorted(starts):  # not yet in pipeline order (first starts)
         breakdown = dict(sorted(breakdown.items(), key=lambda kv: first_start[kv[0]]))
     if composites:
-        covered = _covered_with_composites(stages, clipped, total_ns)
+        covered = _covered_with_composites(stages, clipped)
     else:
         covered = union_length_ns(iv for iv in clipped if iv is not None)
     untracked_ms = max(0, total_ns - covered) / 1e6
@@ -164,12 +164,10 @@ def analyse_trace(
     )
 
 
-def _covered_with_composites(
-    stages: Sequence[StageLike], clipped: Sequence[tuple[int, int] | None], total_ns: int
-) -> int:
+def _covered_with_composites(stages: Sequence[StageLike], clipped: Sequence[tuple[int, int] | None]) -> int:
     """The root time some stage covers, where composites stand for their occurrences: the union of the
     real stages outside any composite, plus each outermost composite's summed time (its occurrences are
-    sequential, and the real stages beside them ran at other times), at most the root's duration."""
+    sequential, and the real stages beside them ran at other times); the untracked time it leaves is at least 0."""
     by_id = {st.span_id: st for st in stages if st.span_id}
 
     def under_composite(st: StageLike) -> bool:
@@ -192,4 +190,4 @@ def _covered_with_composites(
             folded += st.compressed.sum_ns
         else:
             real.append(iv)
-    return min(total_ns, union_length_ns(real) + folded) if total_ns else union_length_ns(real) + folded
+    return union_length_ns(real) + folded

@@ -77,14 +77,12 @@ class DiagnosisThresholds:
     def silent(cls) -> DiagnosisThresholds:
         """Thresholds no trace reaches: none fires, and every rule is evaluated but the four per-stage CPU
         rules, which only judge stages of at least ``min_stage_ms`` and so are skipped as on a trace of short
-        stages. For measuring what the analysis costs a healthy service on a host that would rightly diagnose
-        it (a benchmark under valgrind, a test beside a CPU hog)."""
+        stages (their own minimums need no value here). For measuring what the analysis costs a healthy
+        service on a host that would rightly diagnose it (a benchmark under valgrind, a test beside a CPU hog)."""
         return cls(
             min_stage_ms=math.inf,
             gpu_starved_utilization=-1.0,
             pageable_min_bytes=1 << 62,
-            blocked_min_ms=math.inf,
-            runqueue_min_ms=math.inf,
             event_loop_stage_ms=math.inf,
             event_loop_lag_ms=math.inf,
             event_loop_wait_ms=math.inf,
