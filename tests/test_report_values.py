@@ -243,3 +243,72 @@ def test_an_offload_table_row_weighs_its_calls_and_reads_their_quantiles():
     # queue 1, 3, 3, 20: the p95 (rank 2.85 of 4) is still the 3 ms bucket, the largest is the 20 ms one
     assert merged["queue_p95_ms"] == round(midpoint(QuantileSketch().bucket_key(3.0)), 3)
     assert row.queue.quantile(1.0) == midpoint(QuantileSketch().bucket_key(20.0)) and row.queue.max == 20.0
+
+
+# --- a trace read back from its file --------------------------------------------------------------------------
+
+
+def test_a_trace_read_back_has_the_verdict_the_exporter_gave_it_stored_or_recomputed(tmp_path):
+    """A pipeline of a CPU stage, an I/O stage, a stage repeated past folding, a failing stage, an offloaded
+    call and 80 ms in no stage, exported to a file: its stored verdict reads back as the exporter's own (the
+    on_verdict callback's), field by field; with the verdict's attributes taken off the root, the report
+    recomputes from the stages and finds the same breakdown, bottleneck, kinds and calls."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    import time
+
+    import stagetrace
+    from stagetrace import conventions as c
+    from stagetrace.report.loader import read_traces
+    from stagetrace.report.traces import verdict_for_trace
+
+    verdicts: list[Verdict] = []
+    handle = stagetrace.configure(
+        "round-trip", traces_path=tmp_path / "t.jsonl", on_verdict=verdicts.append, slow_threshold_ms=1,
+        set_global=False,
+    )  # fmt: skip
+    try:
+        with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
+            with stagetrace.pipeline("job"):
+                with stagetrace.stage("decode"):
+                    sum(i * i for i in range(200_000))
+                with stagetrace.stage("infer", kind="io"):
+                    time.sleep(0.003)
+                for _ in range(8):
+                    with stagetrace.stage("step"):
+                        pass
+                try:
+                    with stagetrace.stage("post"):
+                        raise ValueError("bad")
+                except ValueError:
+                    pass
+                assert pool.submit(len, "abc").result() == 3
+                time.sleep(0.08)  # in no stage: UNTRACKED_TIME, its message and evidence read back too
+        assert handle.force_flush(30)
+    finally:
+        handle.shutdown()
+    (exported,) = verdicts
+    assert "UNTRACKED_TIME" in exported.diagnosis_codes and exported.process_cpus
+    traces: list[list[Any]] = []
+    read_traces([tmp_path / "t.jsonl"], traces.append)
+    (spans,) = traces
+    stored = verdict_for_trace(spans)
+    for name in ("trace_id", "root_name", "bottleneck", "slow", "slow_reason", "route", "diagnosis_codes",
+                 "process_cpus"):  # fmt: skip
+        assert getattr(stored, name) == getattr(exported, name), name
+    for name in ("total_ms", "ratio", "slow_threshold_ms", "untracked_ms", "process_cpus_used", "process_runnable"):
+        assert getattr(stored, name) == pytest.approx(getattr(exported, name), abs=1e-3), name
+    assert stored.breakdown == pytest.approx(dict(exported.breakdown), abs=1e-3)
+    assert dict(stored.stage_kinds) == {**exported.stage_kinds} and stored.stage_kinds["len"] == "offload"
+    assert stored.diagnoses == exported.diagnoses  # code, message, advice, stage, evidence
+    assert [(o.name, o.info) for o in stored.offloads] == [(o.name, o.info) for o in exported.offloads]
+    assert stored.offloads[0].run_ms == pytest.approx(exported.offloads[0].run_ms, abs=1e-3)
+    root = next(s for s in spans if s.attributes.get(c.TOTAL_MS) is not None)
+    for key in [k for k in root.attributes if k == c.TOTAL_MS]:
+        del root.attributes[key]
+    recomputed = verdict_for_trace(spans)
+    assert recomputed.breakdown == pytest.approx(dict(exported.breakdown), abs=1e-3)
+    assert (recomputed.bottleneck, recomputed.slow) == (exported.bottleneck, exported.slow)
+    assert recomputed.untracked_ms == pytest.approx(exported.untracked_ms, abs=1e-3)
+    assert [(o.name, o.info) for o in recomputed.offloads] == [(o.name, o.info) for o in exported.offloads]
+    assert set(recomputed.stage_kinds) == set(exported.stage_kinds)
