@@ -180,3 +180,16 @@ def test_a_payload_size_reads_in_bytes_kib_or_mib_from_each_unit_s_first_value(n
     from stagetrace.analysis.diagnosis import _size
 
     assert _size(n) == shown
+
+
+def test_worker_oversubscribed_names_the_worker_stage_that_waited_longest_and_reads_its_edges():
+    # two of the worker's own stages waited (12 and 20 ms, each 30 % or more of its 40 ms): the longer is named
+    a = cpu("a", 2, 42, runqueue_ms=12.0, worker_pid=4242, parent_stage_id=903)
+    b = cpu("b", 42, 82, runqueue_ms=20.0, worker_pid=4242, parent_stage_id=903)
+    found = run([*offload(run=81), a, b], total_ms=100)["WORKER_OVERSUBSCRIBED"]
+    assert found.stage == "b" and found.evidence is None  # no load read: no evidence, not an empty one
+    # a stage exactly min_stage_ms (5 ms) long is judged; a pool whose size is unknown gives no evidence
+    short = cpu("c", 2, 7, runqueue_ms=5.0, worker_pid=4242, parent_stage_id=903)
+    load = TraceSignals(load=ProcessLoad(cpus=2, cpus_used=2.0, runnable=3.0, requests=1.0))
+    unknown = run([*offload(run=6, max_workers=None), short], signals=load)["WORKER_OVERSUBSCRIBED"]
+    assert unknown.stage == "c" and unknown.evidence is None

@@ -8,6 +8,7 @@ import pytest
 from trace_builders import MS, cpu
 
 from stagetrace import conventions as c
+from stagetrace.analysis import StageSample
 from stagetrace.analysis.streams import (
     GapHistogram,
     StreamFields,
@@ -205,3 +206,75 @@ def test_a_name_s_occurrences_add_up_in_each_phase_and_uncharged_stages_are_pass
     s = summarise_stream(ROOT_NS, FOUR_CHUNKS, stages, charged)
     assert s.first_chunk_breakdown == {"decode": 1.5, "h2d.first": 0.1}
     assert s.gap_breakdown == {"decode": 5.0, "h2d": 0.25}
+
+
+# --- the stream rules at their edges, with their messages' numbers ---------------------------------------------
+
+STREAM_STAGES = [
+    StageSample("decode", "gpu", 10 * MS, 40 * MS), cpu("detokenize", 40, 80), cpu("sample", 80, 90),
+]  # fmt: skip
+
+
+def streaming(**changes):
+    """21 chunks (20 gaps) over 100 ms: decode 30 ms (GPU), detokenize 40 ms and sample 10 ms (CPU) between them."""
+    fields = dict(
+        chunks=21, first_chunk_ms=10.0, streaming_ms=100.0, gap_p50_ms=4.0, gap_p99_ms=5.0, gap_max_ms=5.0,
+        send_wait_ms=0.0, disconnected=False, first_chunk_bottleneck=None, gap_bottleneck="detokenize",
+        first_chunk_breakdown={}, gap_breakdown={"decode": 30.0, "detokenize": 40.0, "sample": 10.0}, gaps=None,
+    )  # fmt: skip
+    fields.update(changes)
+    return StreamSummary(**fields)
+
+
+def fired(code, **changes):
+    from trace_builders import run
+
+    from stagetrace.analysis import TraceSignals
+
+    return run(STREAM_STAGES, signals=TraceSignals(stream=streaming(**changes))).get(code)
+
+
+def test_stream_cpu_bound_at_its_share_with_the_model_s_step_beside_it():
+    found = fired("STREAM_CPU_BOUND")  # 40 ms of 100: exactly the 40 % share
+    assert found.stage == "detokenize"
+    assert found.message == (
+        "detokenize took 40% of the time between chunks (2.00 ms a chunk), more than the model's own step "
+        "(1.50 ms a chunk)"
+    )
+    assert fired("STREAM_CPU_BOUND", gap_breakdown={"decode": 30.0, "detokenize": 39.9}) is None  # under the share
+    assert fired("STREAM_CPU_BOUND", gap_breakdown={"decode": 40.0, "detokenize": 40.0}) is None  # no more than it
+    alone = fired("STREAM_CPU_BOUND", gap_breakdown={"detokenize": 50.0, "sample": 10.0})
+    assert alone.message == "detokenize took 50% of the time between chunks (2.50 ms a chunk)"  # no model stage
+
+
+def test_the_stream_rules_read_streams_of_at_least_eight_chunks_that_lasted():
+    assert fired("STREAM_CPU_BOUND", chunks=8).message.endswith("(5.71 ms a chunk), more than the model's own step "
+                                                              "(4.29 ms a chunk)")  # fmt: skip
+    assert fired("STREAM_CPU_BOUND", chunks=7) is None
+    assert fired("STREAM_CPU_BOUND", streaming_ms=0.0) is None
+    brief = fired("STREAM_CPU_BOUND", streaming_ms=0.5, gap_breakdown={"decode": 0.1, "detokenize": 0.4})
+    assert brief is not None and brief.message.startswith("detokenize took 80%")  # half a millisecond still reads
+    assert fired("SLOW_CONSUMER", chunks=7, send_wait_ms=50.0) is None
+    assert fired("SLOW_CONSUMER", chunks=8, send_wait_ms=50.0) is not None
+    assert fired("SLOW_CONSUMER", streaming_ms=0.0, send_wait_ms=50.0) is None
+    assert fired("STREAM_STALL", chunks=7, gap_max_ms=150.0) is None
+    assert fired("STREAM_STALL", chunks=8, gap_max_ms=150.0) is not None
+
+
+def test_slow_consumer_at_its_minimum_and_its_share():
+    at = fired("SLOW_CONSUMER", send_wait_ms=25.0)  # 25 ms of 100: the 25 % share, over the 20 ms minimum
+    assert at.message == (
+        "the stream waited 25.0 ms (25% of its 100.0 ms between first and last chunk) for its client to take the chunks"
+    )
+    assert fired("SLOW_CONSUMER", send_wait_ms=24.9) is None
+    assert fired("SLOW_CONSUMER", send_wait_ms=20.0, streaming_ms=80.0) is not None  # the minimum, at the share
+    assert fired("SLOW_CONSUMER", send_wait_ms=19.9, streaming_ms=79.6) is None
+
+
+def test_stream_stall_at_its_minimum_and_its_factor():
+    at = fired("STREAM_STALL", gap_max_ms=100.0, gap_p50_ms=10.0)  # 100 ms: the minimum, 10x the median
+    assert at.message == "one gap between chunks lasted 100.0 ms, 10 times the stream's median gap (10.00 ms)"
+    assert fired("STREAM_STALL", gap_max_ms=100.0, gap_p50_ms=10.01) is None  # under 10x
+    assert fired("STREAM_STALL", gap_max_ms=99.9, gap_p50_ms=1.0) is None  # under the minimum
+    fine = fired("STREAM_STALL", gap_max_ms=100.0, gap_p50_ms=0.5)
+    assert fine.message == "one gap between chunks lasted 100.0 ms, 200 times the stream's median gap (0.50 ms)"
