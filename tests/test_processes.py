@@ -339,6 +339,39 @@ def test_the_report_has_a_table_of_the_calls_handed_to_process_pools(tmp_path):
     assert line.split()[1:3] == ["ProcessPoolExecutor", "3"]
 
 
+def resize_image(n: int) -> tuple[int, int]:
+    from PIL import Image
+
+    return Image.new("RGB", (n, n)).resize((n // 2, n // 2)).size
+
+
+def instrument_automatic_stages() -> None:
+    from stagetrace.integrations import auto_stages
+
+    auto_stages.instrument()
+
+
+@pytest.mark.parametrize("method", START_METHODS[:2], indirect=True)
+def test_zero_code_stages_in_a_worker_nest_under_its_run(harness, method):
+    """A forked worker inherits the automatic stages' patches; a spawned one gets them from the pool's
+    initializer. Either way PIL's resize in the worker is a stage under the call's run, marked as the worker's."""
+    from stagetrace.integrations import auto_stages
+
+    auto_stages.instrument()
+    try:
+        initializer = instrument_automatic_stages if method == "spawn" else None
+        with cf.ProcessPoolExecutor(1, mp_context=mp.get_context(method), initializer=initializer) as pool:
+            with stagetrace.pipeline("request"):
+                assert pool.submit(resize_image, 64).result() == (32, 32)
+    finally:
+        auto_stages.uninstrument()
+    spans = harness.spans()
+    (run,) = [s for s in spans if s.name == "offload.run"]
+    (resize,) = [s for s in spans if s.name == "resize"]
+    assert resize.parent.span_id == run.context.span_id
+    assert attrs(resize)[c.WORKER_PID] == attrs(run)[c.WORKER_PID] != os.getpid()
+
+
 BEFORE_CONFIGURE = """
 import concurrent.futures as cf, multiprocessing as mp, os, sys
 
