@@ -313,3 +313,71 @@ def test_a_trace_read_back_has_the_verdict_the_exporter_gave_it_stored_or_recomp
     assert recomputed.untracked_ms == pytest.approx(exported.untracked_ms, abs=1e-3)
     assert [(o.name, o.info) for o in recomputed.offloads] == [(o.name, o.info) for o in exported.offloads]
     assert set(recomputed.stage_kinds) == set(exported.stage_kinds)
+
+
+# --- merges into a part that already holds the same names (a wrong merge that overwrites shows here) -----------
+
+
+def test_sketches_sharing_zeros_and_buckets_add_them():
+    a, b = QuantileSketch(), QuantileSketch()
+    for sketch in (a, b):
+        sketch.add(0.0)
+        sketch.add(5.0)
+    a.merge(b)
+    assert (a.count, a.zeros) == (4, 2)
+    assert a.quantile(0.0) == a.quantile(1 / 3) == 0.0 and a.quantile(2 / 3) == 5.0  # bucket 81, clamped to 5
+    sent = QuantileSketch()
+    for bucket in (Bucket(None, 1, 0.0, 0.0, 0.0), Bucket(None, 2, 0.0, 0.0, 0.0), Bucket(81, 1, 5.0, 5.0, 5.0),
+                   Bucket(81, 3, 15.0, 5.0, 5.0), Bucket(200, 1, 54.6, 54.6, 54.6)):  # fmt: skip
+        sent.add_bucket(bucket)
+    assert (sent.count, sent.zeros, sent.sum) == (8, 3, pytest.approx(74.6))
+    # ranks 2, 3 and 6 of 0..7: the last zero, then bucket 81 (four values) to its last
+    assert (sent.quantile(2 / 7), sent.quantile(3 / 7), sent.quantile(6 / 7)) == (0.0, midpoint(81), midpoint(81))
+
+
+def one_part(trace_id: str, code: str, evidence: str | None) -> Aggregator:
+    """A part of one request (weight 1): infer its bottleneck, a disconnected stream, a batch wait, a saturated
+    call handed to a pool that moved 100 bytes each way, a diagnosis with or without evidence."""
+    agg = Aggregator(keep_slowest=4)
+    agg.add(
+        verdict(
+            trace_id, 100.0, {"infer": 60.0, "decode": 40.0},
+            diagnoses=(Diagnosis(code, f"{trace_id}'s", "", evidence=evidence),), stream=stream(5.0, 2.0, 4, "infer"),
+            offloads=(call(3.0, 2, 3, 100, 100, "ProcessPoolExecutor"),),
+        ),
+        [{"name": trace_id, "start_ms": 0.0, "end_ms": 100.0, "depth": 0, "kind": "cpu"}],
+    )  # fmt: skip
+    agg.add_batch_wait("infer.batch.queue", 1.0, 2.0)
+    return agg
+
+
+def test_parts_holding_the_same_names_merge_by_adding_each_figure():
+    merged = one_part("p1", "Z", None)
+    other = one_part("p2", "W", "p2's evidence")
+    other.add(verdict("p3", 50.0, {"post": 50.0}, stage_kinds={"post": "io"}))
+    merged.merge(other)
+    got = merged.summary()
+    assert got["stages"]["infer"]["bottleneck_traces"] == 2 and got["bottlenecks"]["infer"] == 2
+    assert got["stages"]["post"]["kind"] == "io"  # a stage only the other part had keeps its kind
+    assert got["batch_waits"]["infer.batch.queue"]["requests"] == 2
+    assert got["streams"]["streams"] == 2 and got["streams"]["disconnected"] == 2
+    row = got["offloads"]["tokenize"]
+    assert (row["calls"], row["saturated"], row["args_bytes_mean"], row["result_bytes_mean"]) == (2, 2, 100, 100)
+    assert got["evidence"] == {"W": "p2's evidence"}  # a code only the other part saw: its example and evidence
+    assert got["examples"] == {"Z": "p1's", "W": "p2's"}
+    slowest = {v.trace_id: (w[0]["name"] if w else None) for v, w in merged.slowest()}
+    assert slowest == {"p1": "p1", "p2": "p2", "p3": None}  # the other part's waterfalls come with its traces
+
+
+def test_an_offload_row_weighs_each_stretch_and_counts_what_it_lacks_as_nothing():
+    """send 1, 2 and 4 ms (weights 1, 1, 2): the p50 (rank 1.5 of 4) is the 2 ms bucket, not the largest; run and
+    return alike; a call without its arguments' size adds none; both calls over the pool's size are saturated."""
+    row = OffloadSummary()
+    for send, weight, args in ((1.0, 1, 300), (2.0, 1, None), (4.0, 2, 600)):
+        info = OffloadInfo("ProcessPoolExecutor", 2, 3, args, 10, worker_task_seq=2)
+        row.add(OffloadedCall("tokenize", info, 0.0, send, send * 10, send / 2), weight)
+    got = row.summary()
+    key = QuantileSketch().bucket_key
+    assert got["send_p50_ms"] == round(midpoint(key(2.0)), 3)
+    assert got["run_p50_ms"] == round(midpoint(key(20.0)), 3) and got["return_p50_ms"] == round(midpoint(0), 3)
+    assert got["args_bytes_mean"] == round((300 + 2 * 600) / 4) and got["saturated"] == 4 and got["calls"] == 4

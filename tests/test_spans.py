@@ -413,13 +413,14 @@ def test_a_member_batch_stage_of_an_empty_batch_has_a_fill_of_zero():
 
 
 def test_a_folded_stage_of_seconds_keeps_milliseconds_to_three_places():
-    # 10 s summed, the least 1.234567 ms and the most 3 s: a wrong divisor or rounding shows at this size
-    folded = record("decode_step", compressed=(3, 10_000_000_000, 1_234_567, 3_000_000_000))
+    # 10 s summed, the least 2 s and the most 3 s: a wrong divisor shows at this size; 1.234567 ms keeps three places
+    folded = record("decode_step", compressed=(3, 10_000_000_000, 2_000_000_000, 3_000_000_000))
     attrs = sp.stage_span(folded, 1, 0, 1, "")[F["attributes"]]
     assert (attrs[c.COMPRESSED_SUM_MS], attrs[c.COMPRESSED_MIN_MS], attrs[c.COMPRESSED_MAX_MS]) == (
-        10_000.0, 1.235, 3_000.0,
+        10_000.0, 2_000.0, 3_000.0,
     )  # fmt: skip
-    assert type(attrs[c.COMPRESSED_MIN_MS]) is float
+    small = sp.stage_span(record("s", compressed=(2, 2_469_134, 1_234_567, 1_234_567)), 1, 0, 1, "")[F["attributes"]]
+    assert small[c.COMPRESSED_MIN_MS] == 1.235 and type(small[c.COMPRESSED_MIN_MS]) is float
 
 
 def test_an_offload_stage_carries_its_call_s_facts_and_a_failed_call_its_error_type():

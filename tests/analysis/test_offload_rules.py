@@ -74,6 +74,14 @@ def test_the_offload_span_s_facts_are_the_record_s_field_by_field():
 
 def test_a_call_its_worker_never_reported_has_no_stretches():
     assert split_offload(fields(run_start_ns=None, run_end_ns=None), 160 * MS) is None
+    assert split_offload(fields(run_end_ns=None), 160 * MS) is None  # half a run is none
+    assert split_offload(fields(run_start_ns=None), 160 * MS) is None
+
+
+def test_a_call_not_pickled_here_to_a_worker_free_since_103_ms_sent_from_then_exactly():
+    # no serialisation: nothing of it counts (not even a nanosecond); the 3 ms from 103 ms to the run are send
+    split = split_offload(fields(pickle_start_ns=None, pickle_end_ns=None, worker_idle_ns=103 * MS), 160 * MS)
+    assert split[:2] == ((100 * MS, 103 * MS), (103 * MS, 106 * MS))
 
 
 def test_a_shipped_offload_tuple_is_checked_field_by_field():
