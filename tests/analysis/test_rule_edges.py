@@ -300,3 +300,56 @@ def test_the_unreachable_thresholds_silence_the_event_loop_rule_by_lag_and_by_a_
     wait = cpu("event_loop.wait", 0, 90, kind="wait")
     assert run([wait, cpu("t", 90, 95)], signals=signals, thresholds=DiagnosisThresholds.silent()) == {}
     assert "EVENT_LOOP_BLOCKED" in run([wait, cpu("t", 90, 95)], signals=signals)
+
+
+def test_the_share_of_a_stage_s_time_off_cpu_spent_queued_for_one():
+    from stagetrace.analysis.causes import queued_share
+
+    assert queued_share(cpu("s", 0, 10)) == 0.0  # neither read: no time off the CPU, no share (not 0 / 0)
+    assert queued_share(cpu("s", 0, 10, runqueue_ms=3.0)) == 1.0
+    assert queued_share(cpu("s", 0, 10, blocked_ms=4.0)) == 0.0
+    assert queued_share(cpu("s", 0, 10, runqueue_ms=1.0, blocked_ms=3.0)) == 0.25
+    assert queued_share(cpu("s", 0, 10, runqueue_ms=0.25, blocked_ms=0.25)) == 0.5  # under a millisecond off it
+
+
+def test_a_host_short_of_cpus_and_one_with_cpus_to_spare_at_their_edges():
+    from stagetrace.analysis.causes import cpus_to_spare, queued_for_cpu, short_of_cpus
+
+    th = DiagnosisThresholds()
+    at_quiet = cpu("s", 0, 20, runqueue_ms=1.0, blocked_ms=9.0)  # 1 ms queued: the minimum, 10 % of its time off
+    assert short_of_cpus([at_quiet], TraceSignals(), th) and not cpus_to_spare(at_quiet, TraceSignals(), th)
+    under = cpu("s", 0, 20, runqueue_ms=0.99, blocked_ms=8.91)  # 10 % still, under the 1 ms minimum
+    assert not short_of_cpus([under], TraceSignals(), th)
+    quiet = cpu("s", 0, 20, runqueue_ms=1.0, blocked_ms=9.1)  # just under 10 %
+    assert not short_of_cpus([quiet], TraceSignals(), th) and cpus_to_spare(quiet, TraceSignals(), th)
+    pressed = TraceSignals(cpu_pressure_ms=1.0)  # the GIL monitor's wake-ups waited 1 ms for a CPU: the edge
+    assert short_of_cpus([], pressed, th) and not cpus_to_spare(quiet, pressed, th)
+    assert cpus_to_spare(quiet, TraceSignals(cpu_pressure_ms=0.99), th)
+    assert queued_for_cpu(cpu("s", 0, 20, runqueue_ms=1.0, blocked_ms=3.0), th)  # 1 ms and 25 %: both edges
+    assert not queued_for_cpu(cpu("s", 0, 20, runqueue_ms=1.0, blocked_ms=3.01), th)
+    assert not queued_for_cpu(cpu("s", 0, 20, runqueue_ms=0.99, blocked_ms=2.97), th)
+
+
+def test_the_gil_explainable_part_of_a_stage_s_blocked_time():
+    from stagetrace.analysis.causes import blocked_ms, gil_explainable_ms
+
+    assert gil_explainable_ms(cpu("s", 0, 20, blocked_ms=10.0, not_gil_ms=4.0)) == 6.0  # all but the proven
+    assert gil_explainable_ms(cpu("s", 0, 20)) == 0.0
+    # at most the other threads' time on a CPU (2 ms) and queued for one (unread: none)
+    assert gil_explainable_ms(cpu("s", 0, 20, blocked_ms=10.0, others_cpu_ms=2.0)) == 2.0
+    assert gil_explainable_ms(cpu("s", 0, 20, blocked_ms=10.0, others_cpu_ms=2.0, others_runqueue_ms=1.5)) == 3.5
+    assert blocked_ms(cpu("s", 0, 20)) == 0.0 and blocked_ms(cpu("s", 0, 20, blocked_ms=2.5)) == 2.5
+
+
+def test_a_stage_whose_parent_is_missing_or_in_a_cycle_is_covered_as_a_real_stage():
+    """Beside a composite (10 ms summed), a stage whose parent stage is not in the trace (an orphan, 0-20 ms)
+    and two that name each other as parents (a malformed trace, 30-40 ms): neither is under the composite."""
+    from stagetrace.analysis.model import CompressedInfo
+
+    stages = [
+        cpu("step", 50, 90, span_id=7, compressed=CompressedInfo(20, 10 * MS, MS // 2, MS)),
+        cpu("orphan", 0, 20, span_id=8, parent_stage_id=999),
+        cpu("a", 30, 40, span_id=9, parent_stage_id=10),
+        cpu("b", 30, 40, span_id=10, parent_stage_id=9),
+    ]
+    assert analyse_trace(0, 100 * MS, stages, 200).untracked_ms == pytest.approx(100 - 20 - 10 - 10, abs=1e-9)
