@@ -381,3 +381,38 @@ def test_an_offload_row_weighs_each_stretch_and_counts_what_it_lacks_as_nothing(
     assert got["send_p50_ms"] == round(midpoint(key(2.0)), 3)
     assert got["run_p50_ms"] == round(midpoint(key(20.0)), 3) and got["return_p50_ms"] == round(midpoint(0), 3)
     assert got["args_bytes_mean"] == round((300 + 2 * 600) / 4) and got["saturated"] == 4 and got["calls"] == 4
+
+
+def test_a_stored_verdict_written_by_another_hand_reads_with_its_gaps_filled():
+    """A root another writer stored (a Collector's processor, an older stagetrace): a total of 0 (read from the
+    span, 40 ms), no ratio, threshold or untracked time (0), its route and model; two codes, one with its event
+    (message, advice, stage), the other without (its message empty, its advice the rule's own, no stage), an
+    event of another name carrying a code (not a diagnosis); a stage span without a kind (cpu)."""
+    from stagetrace import conventions as c
+    from stagetrace.analysis.diagnosis import ADVICE
+    from stagetrace.report.loader import Span
+    from stagetrace.report.traces import verdict_for_trace
+
+    root = Span(
+        "ab" * 16, "01" * 8, "", "POST /gen", 1_000_000_000, 1_040_000_000,
+        attributes={
+            c.TOTAL_MS: 0, c.STAGES: ["decode"], c.STAGES_MS: [30.0], c.BOTTLENECK_STAGE: "decode",
+            c.DIAGNOSIS: ["X", "UNTRACKED_TIME"], c.HTTP_ROUTE: "/gen", c.GEN_AI_REQUEST_MODEL: "tiny",
+        },
+        events=[
+            (c.DIAGNOSIS_EVENT, {c.DIAGNOSIS_EVENT_CODE: "X", c.DIAGNOSIS_EVENT_MESSAGE: "x's finding",
+                                 c.DIAGNOSIS_EVENT_ADVICE: "x's advice", c.DIAGNOSIS_EVENT_STAGE: "decode"}),
+            ("exception", {c.DIAGNOSIS_EVENT_CODE: "UNTRACKED_TIME", c.DIAGNOSIS_EVENT_MESSAGE: "not a diagnosis"}),
+        ],
+    )  # fmt: skip
+    stage = Span("ab" * 16, "02" * 8, "01" * 8, "decode", 1_000_000_000, 1_030_000_000, attributes={c.STAGE: "decode"})
+    v = verdict_for_trace([root, stage])
+    assert (v.total_ms, v.ratio, v.slow_threshold_ms, v.untracked_ms) == (40.0, 0.0, 0.0, 0.0)
+    assert (v.route, v.gen_ai, dict(v.stage_kinds), v.breakdown) == (
+        "/gen", {c.GEN_AI_REQUEST_MODEL: "tiny"}, {"decode": "cpu"}, {"decode": 30.0},
+    )  # fmt: skip
+    x, untracked = v.diagnoses
+    assert (x.code, x.message, x.advice, x.stage) == ("X", "x's finding", "x's advice", "decode")
+    assert (untracked.code, untracked.message, untracked.advice, untracked.stage) == (
+        "UNTRACKED_TIME", "", ADVICE["UNTRACKED_TIME"], None,
+    )  # fmt: skip
