@@ -175,6 +175,7 @@ def test_bad_input_to_compare_is_a_clear_error(tmp_path, capsys):
     assert parse_window("..1700000000")[0] is None
 
 
+@pytest.mark.chdb
 def test_compare_in_a_fleets_table_by_windows_and_by_group(tmp_path):
     pytest.importorskip("chdb.session")
     from stagetrace.cli.report import run_clickhouse_compare

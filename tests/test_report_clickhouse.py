@@ -35,6 +35,8 @@ chdb_session = pytest.importorskip(
     "chdb.session", reason="chDB is not installed (pip install 'stagetrace[clickhouse]', part of the dev extra)"
 )
 
+pytestmark = pytest.mark.chdb  # left out of the mutation run (pyproject.toml, [tool.mutmut])
+
 SOURCE = Source("otel", "otel_traces")
 ALPHA = QuantileSketch().alpha
 
