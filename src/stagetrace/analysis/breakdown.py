@@ -167,7 +167,8 @@ def analyse_trace(
 def _covered_with_composites(stages: Sequence[StageLike], clipped: Sequence[tuple[int, int] | None]) -> int:
     """The root time some stage covers, where composites stand for their occurrences: the union of the
     real stages outside any composite, plus each outermost composite's summed time (its occurrences are
-    sequential, and the real stages beside them ran at other times); the untracked time it leaves is at least 0."""
+    sequential, and the real stages beside them ran at other times). It may exceed the root's duration: the
+    caller clamps the untracked time at 0."""
     by_id = {st.span_id: st for st in stages if st.span_id}
 
     def under_composite(st: StageLike) -> bool:

@@ -71,7 +71,7 @@ def batch_attributes(stage: Any) -> dict[str, Any]:
         attrs[c.BATCH_SHARE_MS] = round(ms * b.member_items / b.items, 3)
     if b.is_member_batch_stage and b.max_size:
         attrs[c.BATCH_MAX_SIZE] = b.max_size
-        attrs[c.BATCH_FILL] = round(b.items / b.max_size, 4)
+        attrs[c.BATCH_FILL] = round(b.fill or 0.0, 4)  # BatchInfo.fill: the formula written once
     return attrs
 
 
