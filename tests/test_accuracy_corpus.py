@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from scenarios import SCENARIOS, run_in_own_process, run_once
+from scenarios import SCENARIOS, run_once
 
 try:
     import torch
@@ -32,15 +32,3 @@ def test_scenario(spare_cpus, collector, scenario):  # the host is checked befor
     else:
         assert outcome.lived >= 1, "the scenario's requests must live its cause"
         assert outcome.right >= 1, outcome
-
-
-@pytest.mark.slow
-def test_a_scenario_served_in_its_own_process(spare_cpus, tmp_path):
-    """``diagnosis_accuracy.py --own-process``: the app served by uvicorn in a process of its own, its
-    background load running there, the verdicts read back from the spans it exported."""
-    scenario = next(s for s in SCENARIOS if s.name == "lock-waited")
-    outcome, spans = run_in_own_process(scenario, tmp_path)
-    assert outcome.verdicts == scenario.requests
-    assert outcome.lived >= 1, "the holder thread ran in the server's process"
-    assert outcome.right >= 1, outcome
-    assert {s.service for s in spans} == {"accuracy-lock-waited"}  # the scenario's own server wrote them

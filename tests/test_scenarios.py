@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 
 import pytest
@@ -17,6 +16,8 @@ from fastapi import FastAPI
 from harness import free_port, terminate, wait_for_port
 
 import stagetrace
+from scenarios import SCENARIOS, run_in_own_process
+from scenarios.collect import explain
 from scenarios.corpus import busy
 from servers import exported_spans, hit, own_process_server, run_scenario, serve, settle_heap
 from stagetrace import conventions as c
@@ -60,35 +61,20 @@ def test_cpu_heavy_sync_stage_in_async_endpoint_blocks_the_event_loop(collector)
     assert d.stage == "resize" and "event-loop thread" in d.message
 
 
-def test_stage_waiting_on_a_lock_is_lock_or_io_wait(collector):
-    app = FastAPI()
-    lock = threading.Lock()
-    stop = threading.Event()
-
-    def holder():
-        while not stop.is_set():
-            with lock:
-                time.sleep(0.06)  # holds the lock, GIL free
-            time.sleep(0.001)
-
-    @app.get("/lookup")
-    def lookup():
-        with stagetrace.stage("cache_lookup"), lock:
-            pass
-        return {}
-
-    t = threading.Thread(target=holder, daemon=True)
-    t.start()
-    try:
-        verdicts = run_scenario(collector, app, "/lookup", n=10, concurrency=2)
-    finally:
-        stop.set()
-        t.join()
-    found = codes(verdicts)
-    assert found["LOCK_OR_IO_WAIT"] >= len(verdicts) * 0.7, found
-    assert found["GIL_CONTENTION"] == 0, misread(collector, verdicts, "GIL_CONTENTION")
-    d = next(d for v in verdicts for d in v.diagnoses if d.code == "LOCK_OR_IO_WAIT")
-    assert d.stage == "cache_lookup"
+def test_stage_waiting_on_a_lock_is_lock_or_io_wait(spare_cpus, tmp_path):
+    """The corpus's lock-waited app (a holder keeps the lock 60 ms at a time with the GIL free; the request's
+    ``cache_lookup`` stage waits for it) served by uvicorn in a process of its own, as a deployed service is.
+    Served in the suite's process, the server shared its GIL with what the earlier tests had left there: in one
+    CI run, two requests of ten had the process's other threads on a CPU for 11-12 ms of their 45 ms lock
+    wait, the GIL monitor read 1.2-1.8 ms of pressure, and GIL_CONTENTION was named beside the lock."""
+    scenario = next(s for s in SCENARIOS if s.name == "lock-waited")
+    outcome, spans = run_in_own_process(scenario, tmp_path)
+    assert outcome.verdicts == scenario.requests
+    assert {s.service for s in spans} == {"accuracy-lock-waited"}  # the scenario's own server wrote them
+    assert outcome.lived >= 0.7 * outcome.verdicts, "the holder thread ran in the server's process"
+    misread = "\n".join(explain(v, spans) for v in outcome.misread)
+    assert outcome.right >= 0.7 * outcome.lived, misread
+    assert outcome.wrong == 0, misread  # GIL_CONTENTION, or any other cause, named for the lock: none
 
 
 @pytest.mark.slow
