@@ -546,9 +546,9 @@ def _judged(stream, first_ms=200.0, gap_ms=100.0, total_ms=130.0):
 def test_a_stream_is_slow_by_its_first_chunk_or_its_gaps_at_their_thresholds_edges():
     at_edge = _judged(summary(first_chunk_ms=200.0, gap_p99_ms=100.0))
     assert not at_edge.slow and at_edge.slow_reason is None  # exactly at both: not over either
-    first = _judged(summary(first_chunk_ms=200.1, gap_p99_ms=100.0))
+    first = _judged(summary(first_chunk_ms=200.1, gap_p99_ms=100.0, first_chunk_breakdown={"prefill": 110.0}))
     assert (first.slow, first.slow_reason) == (True, c.SLOW_FIRST_CHUNK)
-    assert (first.bottleneck, first.ratio) == ("prefill", pytest.approx(30.0 / 200.1))  # the first chunk's headline
+    assert (first.bottleneck, first.ratio) == ("prefill", pytest.approx(110.0 / 200.1))  # the first chunk's headline
     gaps = _judged(summary(first_chunk_ms=200.0, gap_p99_ms=100.1))
     assert (gaps.slow, gaps.slow_reason) == (True, c.SLOW_GAP)
     assert (gaps.bottleneck, gaps.ratio) == ("detokenize", pytest.approx(0.6))  # the gaps' headline: 60 of 100 ms
@@ -557,6 +557,62 @@ def test_a_stream_is_slow_by_its_first_chunk_or_its_gaps_at_their_thresholds_edg
     single = _judged(summary(chunks=1, gap_p99_ms=None, first_chunk_ms=20.0))
     assert not single.slow  # one chunk: no gaps to judge
     assert (first.first_chunk_threshold_ms, first.gap_threshold_ms) == (200.0, 100.0)
+
+
+def test_a_slow_phase_spent_in_no_stage_is_headed_untracked():
+    """As the trace's own headline: a first chunk whose time went to no stage is not headed by the stage that
+    ran most before it, still less by one that ran between chunks."""
+    waited = _judged(summary(first_chunk_ms=300.0, first_chunk_breakdown={"prefill": 30.0}))
+    assert waited.slow_reason == c.SLOW_FIRST_CHUNK
+    assert (waited.bottleneck, waited.ratio) == (c.UNTRACKED, pytest.approx(270.0 / 300.0))
+    nothing = _judged(summary(first_chunk_ms=300.0, first_chunk_breakdown={}))
+    assert (nothing.bottleneck, nothing.ratio) == (c.UNTRACKED, 1.0)  # no stage before it at all
+    even = _judged(summary(first_chunk_ms=300.0, first_chunk_breakdown={"prefill": 150.0}))
+    assert even.bottleneck == "prefill"  # untracked must exceed the stage, as for the trace
+    gaps = _judged(summary(gap_p99_ms=150.0, streaming_ms=1000.0, gap_breakdown={"detokenize": 300.0}))
+    assert (gaps.slow_reason, gaps.bottleneck, gaps.ratio) == (c.SLOW_GAP, c.UNTRACKED, pytest.approx(0.7))
+
+
+def test_a_trace_ranks_by_how_far_its_judging_phase_went_past_its_threshold():
+    """``Verdict.slowness``: what the export budget's slowest-of-the-minute and the report's slowest traces rank
+    by. A 20 s stream that flowed ranks under a short one whose gaps stalled; a response by its total."""
+    long_healthy = _judged(summary(first_chunk_ms=40.0, gap_p99_ms=25.0), total_ms=20_040.0)
+    stalled = _judged(summary(first_chunk_ms=40.0, gap_p99_ms=300.0), total_ms=3_000.0)
+    late_first = _judged(summary(first_chunk_ms=500.0, gap_p99_ms=25.0), total_ms=900.0)
+    assert long_healthy.slowness == pytest.approx(max(40.0 / 200.0, 25.0 / 100.0))
+    assert stalled.slowness == pytest.approx(3.0) and late_first.slowness == pytest.approx(2.5)
+    assert _judged(None, total_ms=500.0).slowness == pytest.approx(2.5)  # not streamed: 500 ms over 200 ms
+    single = _judged(summary(chunks=1, gap_p99_ms=None, first_chunk_ms=20.0), total_ms=20.0)
+    assert single.slowness == pytest.approx(0.1)  # no gaps: its first chunk alone
+
+
+def test_the_budgets_slowest_of_the_minute_is_the_slowest_phase_not_the_longest_stream():
+    """One signature, a budget with no tokens left: only the slowest-of-the-minute slot lets a trace through.
+    A 20 s healthy stream first, then 3 s streams whose gaps stalled: they are slower, and they get through
+    (by length the healthy one held the minute and every stalled one was refused)."""
+    from stagetrace.exporter.budget import BudgetLimits, ExportBudget
+    from stagetrace.exporter.keep import Keep
+
+    budget = ExportBudget(BudgetLimits(per_s=0.001, burst=10.0, signature_per_s=0.001, signature_burst=0.0), 0.0)
+    budget.global_bucket.tokens = 0.0
+    sig = ("POST /generate", "decode", ())
+    long_healthy = _judged(summary(first_chunk_ms=40.0, gap_p99_ms=25.0), total_ms=20_040.0)
+    stalled = _judged(summary(first_chunk_ms=40.0, gap_p99_ms=300.0), total_ms=3_000.0)
+    assert budget.admit(Keep.HEALTHY_SAMPLE, sig, long_healthy.slowness, 1.0).kept  # the minute's first
+    assert budget.admit(Keep.SLOW, sig, stalled.slowness, 2.0) is Keep.SLOW  # 12 x slower: the minute's slowest
+    assert budget.admit(Keep.SLOW, sig, stalled.slowness, 3.0) is Keep.BUDGET  # no slower than the last one
+
+
+def test_the_reports_slowest_traces_rank_by_slowness():
+    from stagetrace.report.aggregate import Aggregator
+
+    agg = Aggregator(keep_slowest=1)
+    long_healthy = _judged(summary(first_chunk_ms=40.0, gap_p99_ms=25.0), total_ms=20_040.0)
+    stalled = _judged(summary(first_chunk_ms=40.0, gap_p99_ms=300.0), total_ms=3_000.0)
+    agg.add(stalled)
+    assert not agg.would_keep(long_healthy)
+    agg.add(long_healthy)
+    assert [v for v, _ in agg.slowest()] == [stalled]
 
 
 def test_a_long_healthy_stream_is_not_slow_however_long_it_lasts():
@@ -670,4 +726,7 @@ def test_the_report_counts_slow_streams_by_their_phase(tmp_path):
     text = out.getvalue().splitlines()
     assert text[0] == "stagetrace report: 4 traces, 3 slow (75%)"
     assert text[1] == "slow by the gaps 2 (50%), the time to the first chunk 1 (25%)"
+    html = tmp_path / "r.html"
+    assert run_report([str(tmp_path / "t.jsonl")], html_path=str(html), out=io.StringIO()) == 0
+    assert f'<p class="slow-reasons">{text[1]}</p>' in html.read_text()
     assert kv  # (the helper module's other names)

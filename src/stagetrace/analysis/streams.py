@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from stagetrace.analysis.model import StageLike
-from stagetrace.conventions import MS_BUCKETS, SLOW_FIRST_CHUNK, SLOW_GAP
+from stagetrace.conventions import MS_BUCKETS, SLOW_FIRST_CHUNK, SLOW_GAP, UNTRACKED
 
 
 class StreamFields(NamedTuple):
@@ -158,7 +158,9 @@ class PhaseJudgement(NamedTuple):
 def judge_phases(stream: StreamSummary, thresholds: StreamThresholds) -> PhaseJudgement:
     """A stream is slow by its time to the first chunk (first) or its gaps' p99, never by its length: a
     1,000-token answer at a healthy 20 ms a token lasts 20 s. A slow first chunk is headed by the first
-    chunk's bottleneck, slow gaps by the gaps' bottleneck; a healthy stream has no headline of its own."""
+    chunk's bottleneck, slow gaps by the gaps' bottleneck, each read as the trace's is: ``untracked`` when the
+    phase's time in no stage exceeds every stage's (a first chunk that waited in no stage is not headed by a
+    stage that ran between chunks); a healthy stream has no headline of its own."""
     if stream.first_chunk_ms > thresholds.first_chunk_ms:
         return _headline(SLOW_FIRST_CHUNK, stream.first_chunk_breakdown, stream.first_chunk_ms)
     if stream.gap_p99_ms is not None and stream.gap_p99_ms > thresholds.gap_ms:
@@ -168,7 +170,11 @@ def judge_phases(stream: StreamSummary, thresholds: StreamThresholds) -> PhaseJu
 
 def _headline(reason: str, breakdown: Mapping[str, float], phase_ms: float) -> PhaseJudgement:
     name = largest(breakdown)
-    ratio = min(1.0, breakdown[name] / phase_ms) if name is not None and phase_ms > 0 else 0.0
+    name_ms = breakdown[name] if name is not None else 0.0
+    untracked_ms = phase_ms - sum(breakdown.values())
+    if untracked_ms > name_ms:
+        name, name_ms = UNTRACKED, untracked_ms
+    ratio = min(1.0, name_ms / phase_ms) if name is not None and phase_ms > 0 else 0.0
     return PhaseJudgement(reason, name, ratio)
 
 

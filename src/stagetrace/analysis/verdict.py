@@ -68,6 +68,20 @@ class Verdict:
     def diagnosis_codes(self) -> tuple[str, ...]:
         return tuple(d.code for d in self.diagnoses)
 
+    @property
+    def slowness(self) -> float:
+        """How far past its threshold the phase that judges the trace went (1.0: at it): the total over the
+        slow threshold for a response, and for a stream judged by its phases the larger of its first chunk over
+        that threshold and its gaps' p99 over theirs. What ranks traces by how slow their clients found them:
+        a 20 s stream that flowed at a healthy pace ranks under a 3 s one whose gaps stalled, however long it
+        lasted. A threshold under 1 ms counts as 1 ms."""
+        stream = self.stream
+        if stream is not None and self.first_chunk_threshold_ms is not None and self.gap_threshold_ms is not None:
+            first = stream.first_chunk_ms / max(self.first_chunk_threshold_ms, 1.0)
+            gaps = (stream.gap_p99_ms or 0.0) / max(self.gap_threshold_ms, 1.0)
+            return max(first, gaps)
+        return self.total_ms / max(self.slow_threshold_ms, 1.0)
+
 
 def build_verdict(
     *,

@@ -12,7 +12,9 @@ when the host is short of CPU. The budget bounds it, before anything is built fo
   itself and rare kinds still get through;
 - the slowest trace of each signature in each minute is kept first: the first of the minute, then any
   that is slower than every trace kept before it in that minute by ``SLOWEST_MARGIN`` (so what is kept
-  holds the minute's slowest within that margin, at a handful of traces a minute per signature). These
+  holds the minute's slowest within that margin, at a handful of traces a minute per signature). Slower
+  by ``Verdict.slowness``, how far past its threshold the phase that judges it went, not by how long it
+  lasted: a long stream that flowed at a healthy pace does not take the slot of a shorter one that stalled. These
   may overdraw the global bucket by up to one burst; the traces after them wait for the debt to be
   repaid, so over any long window no more than ``per_s`` a second (plus two bursts) leave.
 
@@ -74,12 +76,12 @@ class TokenBucket:
 
 
 class _SignatureState:
-    __slots__ = ("bucket", "minute", "minute_max_ms")
+    __slots__ = ("bucket", "minute", "minute_max")
 
     def __init__(self, bucket: TokenBucket) -> None:
         self.bucket = bucket
         self.minute = -1
-        self.minute_max_ms = 0.0
+        self.minute_max = 0.0  # the slowness of the slowest trace kept first this minute
 
 
 class ExportBudget:
@@ -93,13 +95,14 @@ class ExportBudget:
     def __len__(self) -> int:
         return len(self._signatures)
 
-    def admit(self, keep: Keep, signature: Signature, total_ms: float, now: float) -> Keep:
+    def admit(self, keep: Keep, signature: Signature, slowness: float, now: float) -> Keep:
+        """``slowness``: the trace's ``Verdict.slowness`` (what ranks the slowest of the minute)."""
         if not keep.kept or self.limits.per_s is None:
             return keep
         state = self._state(signature, now)
         bucket = self.global_bucket
         bucket.refill(now)
-        if self._slowest_of_minute(state, total_ms, now):
+        if self._slowest_of_minute(state, slowness, now):
             # First of all: it may overdraw the global bucket (the others then wait for the debt to be
             # repaid, so the long-run rate holds), down to one burst of debt.
             if bucket.tokens <= -self.limits.burst:
@@ -129,13 +132,13 @@ class ExportBudget:
         return state
 
     @staticmethod
-    def _slowest_of_minute(state: _SignatureState, total_ms: float, now: float) -> bool:
+    def _slowest_of_minute(state: _SignatureState, slowness: float, now: float) -> bool:
         minute = int(now // MINUTE_S)
         if minute != state.minute:
-            state.minute, state.minute_max_ms = minute, total_ms
+            state.minute, state.minute_max = minute, slowness
             return True
-        if total_ms >= state.minute_max_ms * SLOWEST_MARGIN and total_ms > state.minute_max_ms:
-            state.minute_max_ms = total_ms
+        if slowness >= state.minute_max * SLOWEST_MARGIN and slowness > state.minute_max:
+            state.minute_max = slowness
             return True
         return False
 

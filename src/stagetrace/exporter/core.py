@@ -255,7 +255,7 @@ class ExporterCore:
         if keep.kept:
             signature = signature_of(verdict.root_name, route, verdict.bottleneck, verdict.diagnosis_codes)
             weight = own_weight(keep, share)
-            keep = self.budget.admit(keep, signature, verdict.total_ms, time.monotonic())
+            keep = self.budget.admit(keep, signature, verdict.slowness, time.monotonic())
             if keep is Keep.BUDGET:
                 self.metrics.dropped("budget")
                 self.adjusted.left_out(signature, weight)

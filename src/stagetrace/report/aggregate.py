@@ -217,7 +217,7 @@ class Counted(NamedTuple):
 
 @dataclass(order=True)
 class _Slow:
-    total_ms: float
+    slowness: float  # Verdict.slowness: a stream ranks by its slow phase, not by how long it lasted
     seq: int
     verdict: Verdict = field(compare=False)
     waterfall: list[dict[str, Any]] = field(compare=False)
@@ -293,10 +293,10 @@ class Aggregator:
     def keep_if_slowest(self, verdict: Verdict, waterfall: list[dict[str, Any]] | None) -> None:
         """Offer a trace to the slowest list without counting it (``add`` counts and offers)."""
         self._seq += 1
-        item = _Slow(verdict.total_ms, self._seq, verdict, waterfall or [])
+        item = _Slow(verdict.slowness, self._seq, verdict, waterfall or [])
         if len(self._slowest) < self._keep:
             heapq.heappush(self._slowest, item)
-        elif item.total_ms > self._slowest[0].total_ms:
+        elif item.slowness > self._slowest[0].slowness:
             heapq.heapreplace(self._slowest, item)
 
     def merge(self, other: Aggregator) -> None:
@@ -348,9 +348,10 @@ class Aggregator:
         w.formation.add(formation_ms)
         w.busy.add(busy_ms)
 
-    def would_keep(self, total_ms: float) -> bool:
-        """Whether a trace this long enters the slowest list (so its waterfall is worth building)."""
-        return len(self._slowest) < self._keep or total_ms > self._slowest[0].total_ms
+    def would_keep(self, verdict: Verdict) -> bool:
+        """Whether a trace this slow (``Verdict.slowness``) enters the slowest list (so its waterfall is worth
+        building)."""
+        return len(self._slowest) < self._keep or verdict.slowness > self._slowest[0].slowness
 
     def slowest(self) -> list[tuple[Verdict, list[dict[str, Any]]]]:
         return [(s.verdict, s.waterfall) for s in sorted(self._slowest, reverse=True)]

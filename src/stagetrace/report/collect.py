@@ -91,7 +91,7 @@ def add_trace(
     for wait in batch_waits(spans):
         agg.add_batch_wait(*wait)
     weight = adjusted_count(spans)
-    agg.add(verdict, waterfall(spans) if agg.would_keep(verdict.total_ms) else None, weight)
+    agg.add(verdict, waterfall(spans) if agg.would_keep(verdict) else None, weight)
     return verdict
 
 
