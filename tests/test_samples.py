@@ -21,6 +21,7 @@ from stagetrace.exporter.keep import Keep, in_healthy_share
 from stagetrace.report.aggregate import Aggregator
 from stagetrace.report.collect import aggregate_files
 from stagetrace.report.metric_totals import TraceCounts
+from stagetrace.report.render import counts_line
 from stagetrace.report.sketch import QuantileSketch
 from stagetrace.settings import Settings
 
@@ -92,6 +93,16 @@ def test_the_aggregator_weighs_counts_shares_and_percentiles():
     assert summary["sampled"] and summary["diagnoses"] == {"X": 1}
     assert summary["total_ms"]["p50"] == pytest.approx(1.0, rel=0.02)  # unweighted, the median would be 100
     assert summary["stages"]["s"]["bottleneck_traces"] == 10
+    # with no metrics to count them, the line says the requests are an estimate from the kept traces
+    assert counts_line(summary) == (
+        "2 kept of about 10 requests, about 1 slow (10%); every figure below weighted by each kept trace's "
+        "adjusted count"
+    )
+    summary["counted"] = {"requests": 12, "slow": 3}  # the metrics saw every request: exact, no "about"
+    assert counts_line(summary) == (
+        "2 kept of 12 requests, 3 slow (25%) (counted by the metrics); every figure below weighted by each kept "
+        "trace's adjusted count"
+    )
 
 
 def _histogram_line(points, temporality=2, resource=(("service.name", "svc"), ("process.pid", 1))):
