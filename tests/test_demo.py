@@ -68,15 +68,15 @@ def test_demo_runs_and_report_reads_what_it_wrote(tmp_path, host_has_spare_cpus)
 @pytest.mark.slow
 @pytest.mark.parametrize("pipeline", ["text", "image"])
 def test_demo_optimized_prints_before_and_after(tmp_path, pipeline):
+    # The text pipeline: 48 requests eight at a time, as the docs' run (its GIL contention is on ~40 % of the
+    # requests: 3 of 16 four at a time), and its fix with one worker for them all: undersized, and said so.
+    load = ["--requests", "48", "--concurrency", "8", "--pool-workers", "1"] if pipeline == "text" else []
     demo = stagetrace_cli(
         "demo",
         "--pipeline",
         pipeline,
         "--optimized",
-        "--requests",
-        "16",
-        "--concurrency",
-        "4",
+        *(load or ["--requests", "16", "--concurrency", "4"]),
         "--no-progress",
         "--out",
         str(tmp_path / "o"),
@@ -88,14 +88,23 @@ def test_demo_optimized_prints_before_and_after(tmp_path, pipeline):
     if pipeline == "text":
         # the fixed service tokenizes in a process pool: each request's call is an offload stage, its four
         # children in the before/after and --compare's tables, the pool's table in the fixed run's report
-        assert "/classify-optimized" in text and "stagetrace report --compare: /classify (16 traces)" in text
+        assert "/classify-optimized" in text and "stagetrace report --compare: /classify (48 traces)" in text
         after = text.split("Before and after")[1]
         for child in ("offload.queue", "offload.send", "offload.run", "offload.return"):
             line = next(ln for ln in after.splitlines() if ln.strip().startswith(f"{child} p50 ms"))
             assert line.split()[-2] == "-" and line.split()[-1] != "-"  # none before, measured after
         report = json.loads(stagetrace_cli("report", str(tmp_path / "o"), "--json", cwd=tmp_path).stdout)
         calls = report["offloads"]["tokenize_in_worker"]
-        assert calls["calls"] == 16 and calls["executor"] == "ProcessPoolExecutor"
+        assert calls["calls"] == 48 and calls["executor"] == "ProcessPoolExecutor"
+
+        def diagnoses(route):
+            out = stagetrace_cli("report", str(tmp_path / "o"), "--route", route, "--json", cwd=tmp_path).stdout
+            return json.loads(out)["diagnoses"]
+
+        before, after = diagnoses("/classify"), diagnoses("/classify-optimized")
+        assert before.get("GIL_CONTENTION", 0) >= 1, before  # four tokenizer threads, one GIL
+        assert "GIL_CONTENTION" not in after, after  # each worker its own GIL
+        assert after.get("POOL_SATURATED", 0) >= 1, after  # one worker for eight requests in flight
         return
     # the optimized image pipeline serves inference through a dynamic batcher
     assert "/predict-optimized" in text

@@ -26,6 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--optimized", action="store_true", help="also run the fixed pipeline and compare")
     demo.add_argument("--out", default="stagetrace-out", help="where traces and the HTML report go")
     demo.add_argument("--slow-threshold-ms", type=float, default=None, help="slow-trace threshold (default 200)")
+    demo.add_argument(
+        "--pool-workers",
+        type=_positive_int,
+        help="text --optimized: the tokenizer's process pool size (default a worker a CPU; fewer shows POOL_SATURATED)",
+    )
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     report = sub.add_parser(
@@ -80,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         out_dir=args.out,
         slow_threshold_ms=args.slow_threshold_ms,
         progress=not args.no_progress,
+        pool_workers=args.pool_workers,
     )
 
 

@@ -144,10 +144,11 @@ def tokenize_in_worker(text: str) -> list[int]:
     return slow_tokenize(text)
 
 
-def _warm_process_pool() -> ProcessPoolExecutor:
-    """A worker a CPU, each started and warm before the first request (a call's first task would otherwise
-    pay its worker's start: WORKER_COLD_START)."""
-    size = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+def _warm_process_pool(size: int | None = None) -> ProcessPoolExecutor:
+    """``size`` workers (None: a worker a CPU), each started and warm before the first request (a call's first
+    task would otherwise pay its worker's start: WORKER_COLD_START)."""
+    if size is None:
+        size = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     pool = ProcessPoolExecutor(max_workers=size)
     for done in [pool.submit(time.sleep, 0.2) for _ in range(size)]:  # each holds a worker: all of them start
         done.result()
@@ -162,8 +163,10 @@ def _postprocess(logits: Any) -> dict[str, Any]:
     return {"top": [{"label": LABELS[i], "p": round(float(p), 4)} for p, i in zip(top.values, top.indices)]}
 
 
-def build_app(device: Any, pipeline: str = "image") -> Any:
-    """The service; the LLM pipeline's routes (its tokenizer trained, its model made) only when asked."""
+def build_app(device: Any, pipeline: str = "image", *, pool_workers: int | None = None) -> Any:
+    """The service; the LLM pipeline's routes (its tokenizer trained, its model made) only when asked.
+    ``pool_workers``: the text pipeline's tokenizer pool (None: a worker a CPU; fewer than the requests in
+    flight queue for a worker, and ``POOL_SATURATED`` says so)."""
     import numpy as np
     import torch
     from PIL import Image
@@ -173,7 +176,7 @@ def build_app(device: Any, pipeline: str = "image") -> Any:
     workers = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="preprocess")
     model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
     tokenizer_threads = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize")
-    tokenizer_processes = _warm_process_pool() if pipeline == "text" else None
+    tokenizer_processes = _warm_process_pool(pool_workers) if pipeline == "text" else None
     staging = torch.empty((BATCH_MAX_SIZE, 3, INPUT_SIZE, INPUT_SIZE)).pin_memory() if on_gpu else None
     app = FastAPI(title="stagetrace demo")
 

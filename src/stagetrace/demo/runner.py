@@ -234,7 +234,9 @@ def run_demo(
     out_dir: str = "stagetrace-out",
     slow_threshold_ms: float | None = None,
     progress: bool = True,
+    pool_workers: int | None = None,
 ) -> int:
+    """``pool_workers``: the text pipeline's tokenizer pool (None: a worker a CPU)."""
     import torch
 
     from stagetrace.demo import pipelines
@@ -253,7 +255,7 @@ def run_demo(
 
     env_exporter = any(os.environ.get(k) for k in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT"))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    app = pipelines.build_app(device, pipeline)  # first: the llm engine measures this machine for its SLO
+    app = pipelines.build_app(device, pipeline, pool_workers=pool_workers)  # first: the llm engine measures this machine for its SLO
     handle = stagetrace.configure(
         "stagetrace-demo",
         slow_threshold_ms=slow_threshold_ms,
