@@ -255,7 +255,8 @@ def run_demo(
 
     env_exporter = any(os.environ.get(k) for k in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT"))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    app = pipelines.build_app(device, pipeline, pool_workers=pool_workers)  # first: the llm engine measures this machine for its SLO
+    # first: the llm engine measures this machine for its SLO
+    app = pipelines.build_app(device, pipeline, pool_workers=pool_workers)
     handle = stagetrace.configure(
         "stagetrace-demo",
         slow_threshold_ms=slow_threshold_ms,
