@@ -143,26 +143,33 @@ class ExportBudget:
         return False
 
 
+Stratum = tuple[Signature, Keep]  # a signature and why a trace of it was worth keeping
+
+
 class AdjustedCounts:
     """How many traces each kept trace stands for, so that counts and percentiles over kept traces estimate
     every request's (OpenTelemetry's adjusted count). A trace's own weight is 1, or 1 / the healthy share
-    for a healthy sample (kept with that probability, on its trace id); a trace the budget leaves out hands
-    its weight to the next kept trace of its signature, which then stands for both. Over any run the kept
-    traces' adjusted counts add up to every trace worth keeping but those of the last stretch the budget
-    left out of each signature. Bounded like the budget's signatures (least recently seen forgotten)."""
+    for a healthy sample (kept with that probability, on its trace id). The budget is a token bucket, not a
+    coin: a trace it leaves out had no probability of its own, so it hands its weight to the next kept trace
+    of its *stratum*, its signature and the reason it was worth keeping (slow, diagnosed, errored, a healthy
+    sample), which then stands for both. A slow trace left out is carried by the next slow one of its kind,
+    never by a healthy sample of it, so the slow share and the percentiles keep the shape of every request's.
+    Over any run the kept traces' adjusted counts add up to every trace worth keeping but those of the last
+    stretch the budget left out of each stratum. Bounded like the budget's signatures (least recently seen
+    forgotten)."""
 
     def __init__(self, max_signatures: int = 1024) -> None:
         self._max = max_signatures
-        self._carried: OrderedDict[Signature, float] = OrderedDict()
+        self._carried: OrderedDict[Stratum, float] = OrderedDict()
 
-    def left_out(self, signature: Signature, weight: float) -> None:
-        self._carried[signature] = self._carried.pop(signature, 0.0) + weight
+    def left_out(self, stratum: Stratum, weight: float) -> None:
+        self._carried[stratum] = self._carried.pop(stratum, 0.0) + weight
         if len(self._carried) > self._max:
             self._carried.popitem(last=False)
 
-    def kept(self, signature: Signature, weight: float) -> float:
+    def kept(self, stratum: Stratum, weight: float) -> float:
         """The kept trace's adjusted count: its own weight and what was handed to it."""
-        return weight + self._carried.pop(signature, 0.0)
+        return weight + self._carried.pop(stratum, 0.0)
 
 
 def own_weight(keep: Keep, healthy_share: float) -> float:

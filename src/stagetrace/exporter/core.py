@@ -254,13 +254,13 @@ class ExporterCore:
         adjusted_count = 1.0
         if keep.kept:
             signature = signature_of(verdict.root_name, route, verdict.bottleneck, verdict.diagnosis_codes)
-            weight = own_weight(keep, share)
+            weight, stratum = own_weight(keep, share), (signature, keep)
             keep = self.budget.admit(keep, signature, verdict.slowness, time.monotonic())
             if keep is Keep.BUDGET:
                 self.metrics.dropped("budget")
-                self.adjusted.left_out(signature, weight)
+                self.adjusted.left_out(stratum, weight)
             else:
-                adjusted_count = self.adjusted.kept(signature, weight)
+                adjusted_count = self.adjusted.kept(stratum, weight)
         self.decisions.remember(trace_id, kept=keep.kept)
         self._export(self.batches.member_decided(trace_id, kept=keep.kept))
         self.metrics.record_trace(verdict, (trace_id, root.span_id) if keep.kept else None)
