@@ -409,3 +409,42 @@ def test_what_the_otlp_bytes_path_reads_of_the_sdks_http_exporter(otlp_receiver,
     assert otlp_http_sender(OwnEncoding(endpoint=endpoint)) is None
     assert otlp_http_sender(GrpcSpans(endpoint="http://127.0.0.1:1", insecure=True)) is None
     assert otlp_http_sender(InMemorySpanExporter()) is None
+
+
+def test_the_process_pools_bookkeeping_is_where_compat_reads_it():
+    """``process_pool_facts`` and ``mp_pool_facts`` (an offload's size, calls held, start method), the pools'
+    worker entry points and map's task generation, which ``integrations/processes.py`` wraps."""
+    import importlib
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from stagetrace._compat import MP_POOL_TASKS, MP_POOL_WORKER, PROCESS_POOL_WORKER, mp_pool_facts, process_pool_facts
+
+    for module, name in (PROCESS_POOL_WORKER, MP_POOL_WORKER):
+        assert callable(getattr(importlib.import_module(module), name)), (module, name)
+    assert callable(getattr(multiprocessing.pool.Pool, MP_POOL_TASKS))
+    ctx = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
+        assert process_pool_facts(pool) == (2, 0, "fork")
+    with ctx.Pool(2) as mp_pool:
+        assert mp_pool_facts(mp_pool) == (2, "fork")
+
+
+def test_a_multiprocessing_jobs_outcomes_are_where_compat_watches_them():
+    """``watch_mp_job_outcomes``: every task's outcome of one job, the failures included, before the pool
+    records it, and the job's result unchanged."""
+    import multiprocessing
+    import pickle
+
+    from stagetrace._compat import watch_mp_job_outcomes
+
+    seen = []
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        result = pool.map_async(abs, [-1, -2])
+        assert watch_mp_job_outcomes(pool, result._job, lambda index, value: seen.append((index, value[0])))
+        assert result.get(timeout=30) == [1, 2]
+        failing = pool.map_async(abs, [lambda: 0])  # cannot be pickled: its task fails on the pool's task thread
+        watch_mp_job_outcomes(pool, failing._job, lambda index, value: seen.append((index, value[0])))
+        with pytest.raises((pickle.PicklingError, AttributeError)):
+            failing.get(timeout=30)
+    assert watch_mp_job_outcomes(object(), 0, lambda index, value: None) is False

@@ -13,7 +13,9 @@ import multiprocessing as mp
 import os
 import pickle
 import re
+import signal
 import threading
+import time
 
 import pytest
 
@@ -64,6 +66,52 @@ def staged_initializer() -> None:
 def plain(x: int) -> int:
     with stagetrace.stage("outside.a.request"):
         return x + 1
+
+
+def probe(x: int) -> int:
+    return x
+
+
+def lock_for(x: int) -> object:
+    return threading.Lock()
+
+
+def zeros(n: int):
+    import numpy as np
+
+    return np.zeros((n, n), dtype=np.float32)
+
+
+def text_of(n: int) -> str:
+    return "x" * n
+
+
+def threads_while_staged(n: int) -> tuple[bool, list[str]]:
+    """Whether the call runs on the worker's main thread, and the worker's other threads during it; a stage
+    that burns CPU."""
+    with stagetrace.stage("worker.busy"):
+        sum(i * i for i in range(n))
+        main = threading.main_thread()
+        return threading.current_thread() is main, [t.name for t in threading.enumerate() if t is not main]
+
+
+class SlowToPickle:
+    """An argument whose pickling takes 150 ms (a large payload's serialisation, as far as time goes)."""
+
+    def __reduce__(self):
+        time.sleep(0.15)
+        return (SlowToPickle, ())
+
+
+def trivial(arg: object) -> int:
+    return 1
+
+
+def offloads_again(text: str) -> int:
+    """A worker's call that hands work to a pool of its own."""
+    with stagetrace.stage("nested.pool"):
+        with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
+            return pool.submit(tokenize, text).result()
 
 
 # --- helpers ---------------------------------------------------------------------------------------------------
@@ -160,6 +208,27 @@ def test_a_numpy_arrays_bytes_are_its_nbytes_and_read_without_pickling_it_twice(
     assert len(dumps) == 1  # the arguments once (the result came back as it is: a scalar's few bytes)
 
 
+def test_a_results_bytes_are_measured_as_the_arguments_are(harness, monkeypatch):
+    """``result_bytes`` as ``args_bytes``: an array's ``nbytes`` where they say more than its pickle (here a
+    reducer sends arrays as a handle of a few bytes, as shared-memory tensors go), the pickled size of a plain
+    object."""
+    np = pytest.importorskip("numpy")
+    from multiprocessing.reduction import ForkingPickler
+
+    monkeypatch.setitem(ForkingPickler._extra_reducers, np.ndarray, lambda a: (np.zeros, (a.shape, a.dtype.str)))
+    with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:  # forked: the reducer with it
+        with stagetrace.pipeline("request"):
+            assert pool.submit(zeros, 1000).result().nbytes == 4_000_000
+            assert pool.submit(text_of, 50_000).result() == "x" * 50_000
+    harness.wait_verdicts(1)
+    spans = harness.spans()
+    (array_call,) = offload_spans(spans, "zeros")
+    (text_call,) = offload_spans(spans, "text_of")
+    assert len(offload.dumps(np.zeros((1000, 1000), dtype=np.float32))) < 1000  # the handle
+    assert attrs(array_call)[c.OFFLOAD_RESULT_BYTES] == 4_000_000
+    assert attrs(text_call)[c.OFFLOAD_RESULT_BYTES] == len(offload.dumps("x" * 50_000))
+
+
 # --- multiprocessing.Pool ---------------------------------------------------------------------------------------
 
 
@@ -215,6 +284,69 @@ def test_a_forked_worker_records_nothing_outside_a_requests_call(harness):
     assert not names & {"initializer.stage", "outside.a.request"}  # no rootless traces from the workers
 
 
+@pytest.mark.parametrize("method", START_METHODS[:2], indirect=True)
+def test_a_workers_stages_carry_its_cpu_signals_and_it_runs_no_thread_of_stagetraces(harness, method):
+    with cf.ProcessPoolExecutor(1, mp_context=mp.get_context(method)) as executor:
+        with mp.get_context(method).Pool(1) as pool:
+            with stagetrace.pipeline("request"):
+                threads = [
+                    executor.submit(threads_while_staged, 200_000).result(),
+                    pool.apply_async(threads_while_staged, (200_000,)).get(timeout=60),
+                ]
+    for on_main, others in threads:
+        # Beside the call, on the worker's main thread, nothing of stagetrace's. A forked worker does get the
+        # thread of the SDK's batch span processor that the parent's provider holds (here for the harness's
+        # exporter): OpenTelemetry's own at-fork hook restarts it in every forked child, with or without
+        # stagetrace, and it has nothing to send (the worker makes no SDK spans of its own).
+        assert on_main and all(name.startswith("OtelBatch") for name in others), (method, threads)
+        assert method == "fork" or not others
+    harness.wait_verdicts(1)
+    busy = harness.by_name("worker.busy")
+    assert len(busy) == 2
+    for span in busy:
+        a = attrs(span)
+        assert a[c.WORKER_PID] != os.getpid()
+        assert a[c.CPU_MS] > 0 and a[c.RUNQUEUE_MS] >= 0
+
+
+def test_a_pool_opened_in_a_forked_worker_is_traced_under_the_workers_stage(harness):
+    """A worker forked from the configured process has its patches: a pool it opens during a call is traced
+    like the application's, its call an offload stage (with its own children and its worker's stages) under
+    the worker's stage."""
+    with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
+        with stagetrace.pipeline("request"):
+            assert pool.submit(offloads_again, "a b c").result() == 3
+    harness.wait_verdicts(1)
+    spans = harness.spans()
+    (outer,) = offload_spans(spans, "offloads_again")
+    (nested_pool,) = harness.by_name("nested.pool")
+    (inner,) = offload_spans(spans, "tokenize")
+    (outer_run,) = [k for k in children_of(spans, outer) if k.name == "offload.run"]
+    assert nested_pool.parent.span_id == outer_run.context.span_id
+    assert inner.parent.span_id == nested_pool.context.span_id
+    kids = {k.name: k for k in children_of(spans, inner)}
+    assert set(OFFLOAD_CHILDREN[1:]) <= set(kids)
+    outer_worker, inner_worker = attrs(outer)[c.OFFLOAD_WORKER_PID], attrs(inner)[c.OFFLOAD_WORKER_PID]
+    assert len({os.getpid(), outer_worker, inner_worker}) == 3
+    assert attrs(kids["offload.run"])[c.WORKER_PID] == inner_worker
+    (inner_stage,) = harness.by_name("tokenize.inner")
+    assert inner_stage.parent.span_id == kids["offload.run"].context.span_id
+    assert attrs(inner_stage)[c.WORKER_PID] == inner_worker
+
+
+@pytest.mark.slow
+def test_a_pool_opened_in_a_spawned_worker_is_part_of_the_workers_time(harness):
+    """A spawned worker starts without stagetrace's patches: a pool it opens runs its calls bare, inside the
+    worker's own stage."""
+    with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        with stagetrace.pipeline("request"):
+            assert pool.submit(offloads_again, "a b c").result() == 3
+    harness.wait_verdicts(1)
+    spans = harness.spans()
+    assert [s.name for s in spans if attrs(s).get(c.STAGE_KIND) == "offload"] == ["offloads_again"]
+    assert harness.by_name("nested.pool") and not harness.by_name("tokenize.inner")
+
+
 def test_outside_a_request_the_pool_gets_the_call_itself(harness):
     with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
         slow = pool.submit(many_stages, 300_000)  # holds the only worker: the next call stays pending
@@ -226,6 +358,24 @@ def test_outside_a_request_the_pool_gets_the_call_itself(harness):
         assert (slow.result(), bare.result()) == (300_000, 2)
     assert plain in calls and any(isinstance(fn, offload.OffloadCall) for fn in calls)
     assert not offload.IN_FLIGHT
+
+
+# --- the verdict -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("executor", ["ProcessPoolExecutor", "multiprocessing.Pool"])
+def test_a_request_whose_time_went_to_pickling_has_offload_send_as_its_bottleneck(harness, executor):
+    ctx = mp.get_context("fork")
+    with cf.ProcessPoolExecutor(1, mp_context=ctx) as pool, ctx.Pool(1) as mp_pool:
+        assert pool.submit(probe, 1).result() == 1  # the worker started: no cold start in the request
+        with stagetrace.pipeline("request"):
+            if executor == "ProcessPoolExecutor":
+                assert pool.submit(trivial, SlowToPickle()).result() == 1
+            else:
+                assert mp_pool.apply_async(trivial, (SlowToPickle(),)).get(timeout=30) == 1
+    (verdict,) = harness.wait_verdicts(1)
+    assert verdict.bottleneck == "offload.send", (verdict.bottleneck, verdict.breakdown)
+    assert verdict.breakdown["offload.send"] >= 150
 
 
 # --- faults ------------------------------------------------------------------------------------------------
@@ -285,6 +435,53 @@ def test_what_cannot_be_pickled_raises_exactly_what_it_raised_before(harness):
     assert not offload.IN_FLIGHT, [(p.name, p.executor) for p in offload.IN_FLIGHT._calls.values()]
 
 
+MAPS = {
+    "map": lambda pool, fn, items: pool.map(fn, items),
+    "map_async": lambda pool, fn, items: pool.map_async(fn, items).get(timeout=30),
+    "imap": lambda pool, fn, items: list(pool.imap(fn, items)),
+    "imap_unordered": lambda pool, fn, items: list(pool.imap_unordered(fn, items, chunksize=2)),
+    "starmap": lambda pool, fn, items: pool.starmap(fn, [(x,) for x in items]),
+}
+
+
+@pytest.mark.parametrize("call", MAPS)
+def test_a_map_task_that_cannot_be_sent_ends_its_call_with_the_error(harness, call):
+    """A task of map, imap and the rest whose argument cannot be pickled: the error raised is the pool's own,
+    the call's stage ends with it (error status, ``error.type``), nothing stays in flight, and the next call
+    counts only itself."""
+    run = MAPS[call]
+    items = ["a b", threading.Lock()]  # the second task cannot be sent
+    with mp.get_context("fork").Pool(2) as pool:
+        bare = _failure(lambda: run(pool, tokenize, items))
+        with stagetrace.pipeline("request"):
+            traced = _failure(lambda: run(pool, tokenize, items))
+            left = [(p.name, p.executor) for p in offload.IN_FLIGHT._calls.values()]
+            assert pool.apply_async(probe, (1,)).get(timeout=30) == 1
+    assert bare is not None and traced == bare, (bare, traced)
+    assert not left
+    harness.wait_verdicts(1)
+    spans = harness.spans()
+    failed = [s for s in offload_spans(spans, "tokenize") if not s.status.is_ok]
+    assert len(failed) == 1 and attrs(failed[0])[c.ERROR_TYPE] == bare[0].__name__ == "TypeError"
+    (after,) = offload_spans(spans, "probe")
+    assert attrs(after)[c.OFFLOAD_IN_FLIGHT] == 1
+
+
+@pytest.mark.parametrize("call", ["map", "imap"])
+def test_a_map_result_that_cannot_be_sent_back_ends_its_call_with_the_error(harness, call):
+    run = MAPS[call]
+    with mp.get_context("fork").Pool(1) as pool:
+        bare = _failure(lambda: run(pool, lock_for, [1]))
+        with stagetrace.pipeline("request"):
+            traced = _failure(lambda: run(pool, lock_for, [1]))
+            left = len(offload.IN_FLIGHT)
+    assert bare is not None and traced == bare and bare[0].__name__ == "MaybeEncodingError"
+    assert not left
+    harness.wait_verdicts(1)
+    (stage,) = offload_spans(harness.spans(), "lock_for")
+    assert stage.status.is_ok is False and attrs(stage)[c.ERROR_TYPE] == "MaybeEncodingError"
+
+
 def test_a_report_after_its_request_ended_is_counted_and_dropped(harness):
     with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
         with stagetrace.pipeline("request"):
@@ -308,6 +505,117 @@ def test_a_report_of_a_call_this_process_did_not_submit_is_counted_and_dropped(h
     offload.deliver(("not", "a", "report"), None)
     dropped = {p.attributes[c.DROP_REASON]: p.value for p in harness.metric_points(c.METRIC_DROPPED) if p.value}
     assert dropped.get("offload_unknown", 0) == 2 and dropped.get("offload_malformed", 0) == 1
+
+
+def _in_forked_child(child, timeout_s: int = 60):
+    """``child()``'s return value (JSON), run in a child forked with os.fork (killed if it hangs); what it
+    raised fails the test here."""
+    import json
+    import traceback
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never back into pytest
+        try:
+            os.close(read)
+            signal.alarm(timeout_s)
+            try:
+                out = {"value": child()}
+            except BaseException:
+                out = {"error": traceback.format_exc()}
+            os.write(write, json.dumps(out).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        data = pipe.read()
+    os.waitpid(pid, 0)
+    assert data, "the forked child died or hung"
+    out = json.loads(data)
+    assert "error" not in out, out["error"]
+    return out["value"]
+
+
+def test_a_pool_made_in_a_forked_child_never_reaches_another_request(harness):
+    """A child forked inside a request inherits its context, not the request: a pool it makes gets its calls
+    bare under that context (nothing pending, no stage in the parent's request). In a request of its own, a
+    call whose report comes after that request ended is counted (``offload_late``) and dropped, not attached
+    to the child's next request."""
+    from opentelemetry import context
+
+    from stagetrace import _state
+    from stagetrace.capture.stage import current_parent
+
+    def child():
+        rt = _state.runtime
+        drops = []
+        real_dropped = rt.metrics.dropped
+        rt.metrics.dropped = lambda reason, count=1: drops.append((reason, count)) or real_dropped(reason, count)
+        with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
+            inherited = pool.submit(tokenize, "a b")
+            bare = [type(item.fn).__name__ for item in pool._pending_work_items.values()]
+            pending_bare = len(offload.IN_FLIGHT)
+            assert inherited.result() == 2
+            context.attach(context.Context())  # from here on the child serves requests of its own
+            with stagetrace.pipeline("child request"):
+                late = pool.submit(many_stages, 200_000)  # not awaited: the child's request ends first
+            with stagetrace.pipeline("next child request"):
+                trace = current_parent(rt).trace
+                assert pool.submit(probe, 1).result() == 1  # after the late call: its report came first
+                late_done = late.done()
+                with trace.lock:
+                    names = [st.name for st in trace.stages]
+        return {
+            "bare": bare, "pending_bare": pending_bare, "late_done": late_done, "names": names,
+            "late": sum(n for reason, n in drops if reason == "offload_late"), "in_flight": len(offload.IN_FLIGHT),
+        }  # fmt: skip
+
+    with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
+        with stagetrace.pipeline("request"):
+            assert pool.submit(tokenize, "c d e").result() == 3
+            seen = _in_forked_child(child)
+    assert seen["bare"] == ["function"] and seen["pending_bare"] == 0
+    assert seen["late_done"] and "many_stages" not in seen["names"] and "probe" in seen["names"]
+    assert seen["late"] >= 1 and seen["in_flight"] == 0
+    (verdict,) = harness.wait_verdicts(1)  # the parent's request alone, with its own call alone
+    assert "tokenize" in verdict.breakdown and not {"many_stages", "probe"} & set(verdict.breakdown)
+    spans = harness.spans()
+    assert [s.name for s in spans if attrs(s).get(c.STAGE_KIND) == "offload"] == ["tokenize"]
+    assert not {"many_stages", "probe"} & {s.name for s in spans}
+    assert len(harness.by_name("tokenize.inner")) == 1
+
+
+def test_a_forked_child_starts_with_no_calls_in_flight_and_a_free_table(harness):
+    """The parent's pending calls are not the child's to finish: the child's table is empty, its lock free even
+    where a thread of the parent held it at the fork; the parent's call still reaches its request."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with offload.IN_FLIGHT._lock:
+            held.set()
+            release.wait(30)
+
+    def child():
+        table = offload.IN_FLIGHT
+        free = table._lock.acquire(timeout=5)
+        return {"calls": len(table), "pools": len(table._per_pool), "free": free}
+
+    with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("fork")) as pool:
+        with stagetrace.pipeline("request"):
+            future = pool.submit(many_stages, 1000)
+            holder = threading.Thread(target=hold)
+            holder.start()
+            assert held.wait(10)
+            try:
+                in_flight = len(offload.IN_FLIGHT._calls)
+                seen = _in_forked_child(child)
+            finally:
+                release.set()
+                holder.join()
+            assert future.result() == 1000
+    assert in_flight >= 1 and seen == {"calls": 0, "pools": 0, "free": True}
+    (verdict,) = harness.wait_verdicts(1)
+    assert "many_stages" in verdict.breakdown and not offload.IN_FLIGHT
 
 
 def test_the_report_has_a_table_of_the_calls_handed_to_process_pools(tmp_path):

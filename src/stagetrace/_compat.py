@@ -374,6 +374,25 @@ def mp_pool_facts(pool: Any) -> tuple[int | None, str | None]:
     return size if isinstance(size, int) else None, _start_method(getattr(pool, "_ctx", None))
 
 
+def watch_mp_job_outcomes(pool: Any, job: int, on_outcome: Callable[[int, Any], None]) -> bool:
+    """Have ``on_outcome(index, (ok, value))`` called with each task's outcome of one ``multiprocessing.Pool``
+    job before the pool records it: the pool hands every outcome to the job's result in its ``_cache``
+    (``_set(index, (ok, value))``; on its task thread for a task it could not send, on its result thread for
+    a worker's report). False where the layout differs (nothing wrapped)."""
+    cache = getattr(pool, "_cache", None)
+    result: Any = cache.get(job) if isinstance(cache, dict) else None
+    set_outcome = getattr(result, "_set", None)
+    if set_outcome is None:
+        return False
+
+    def outcome(index: int, value: Any) -> None:
+        on_outcome(index, value)
+        set_outcome(index, value)
+
+    result._set = outcome
+    return True
+
+
 def _start_method(ctx: Any) -> str | None:
     try:
         method = ctx.get_start_method() if ctx is not None else None

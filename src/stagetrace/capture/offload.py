@@ -24,6 +24,7 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -48,12 +49,13 @@ def dumps(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def payload_bytes(pickled: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """The bytes a call moves: its arrays' and tensors' ``nbytes`` where they exceed the pickled size (a
-    reducer that sends a tensor through shared memory pickles a handle of a few bytes), the pickled size
-    otherwise."""
+def payload_bytes(pickled: int, values: Iterable[Any]) -> int:
+    """The bytes a payload moves (a call's arguments, its result): the arrays' and tensors' ``nbytes`` among
+    ``values`` where they exceed the pickled size (a reducer that sends a tensor through shared memory
+    pickles a handle of a few bytes), the pickled size otherwise. Read from the objects, never by pickling
+    them again."""
     arrays = 0
-    for value in (*args, *kwargs.values()):
+    for value in values:
         nbytes = getattr(value, "nbytes", None)
         if type(nbytes) is int:
             arrays += nbytes
@@ -266,7 +268,7 @@ class OffloadCall:
         start = _perf_ns()
         data = dumps((self.fn, self.args, self.kwargs))  # raises what pickling the call itself would raise
         pending.pickle_start_ns, pending.pickle_end_ns = start, _perf_ns()
-        pending.args_bytes = payload_bytes(len(data), self.args, self.kwargs)
+        pending.args_bytes = payload_bytes(len(data), (*self.args, *self.kwargs.values()))
         return (_arrive, (data, tuple(pending.ticket)))
 
 
@@ -298,8 +300,9 @@ class WorkerCall:
 
 
 class OffloadResult:
-    """A result on its way back: pickled in the worker (timed, measured), it unpickles here as the plain
-    result, handing the report over first."""
+    """A result on its way back: pickled in the worker (timed, measured as the arguments are: its ``nbytes``
+    where it is an array or tensor that says more than its pickle, the pickled size otherwise), it unpickles
+    here as the plain result, handing the report over first."""
 
     __slots__ = ("report", "value")
 
@@ -312,7 +315,7 @@ class OffloadResult:
     def __reduce__(self) -> tuple[Any, ...]:
         data = dumps(self.value)  # raises what pickling the result itself would raise
         note_idle()
-        return (_returned, (data, tuple(self.report), len(data)))
+        return (_returned, (data, tuple(self.report), payload_bytes(len(data), (self.value,))))
 
 
 class ReportCarrier:

@@ -3,9 +3,10 @@
 Patched at class level, so pools made before ``configure()`` are covered: ``ProcessPoolExecutor.submit`` (and
 so ``map`` and ``loop.run_in_executor``), ``multiprocessing.Pool.apply_async`` (and so ``apply``) and the task
 generation behind ``map_async``, ``imap``, ``imap_unordered`` and ``starmap`` (``map`` and ``starmap`` too):
-one offload stage per task, a chunk of items where the pool chunks them. The pools' worker entry points are
-wrapped too, so a worker forked from a configured process drops the runtime it inherited at its start (its
-initializer included) rather than at its first call. Thread pools (``multiprocessing.pool.ThreadPool``) are
+one offload stage per task, a chunk of items where the pool chunks them, ended at its failure (a task that
+could not be sent, a result that could not come back) as ``apply_async``'s are. The pools' worker entry
+points are wrapped too, so a worker forked from a configured process drops the runtime it inherited at its
+start (its initializer included) rather than at its first call. Thread pools (``multiprocessing.pool.ThreadPool``) are
 left as they are. Outside a traced request a patched call costs a lookup and a branch and changes nothing.
 """
 
@@ -26,6 +27,7 @@ from stagetrace._compat import (
     PROCESS_POOL_WORKER,
     mp_pool_facts,
     process_pool_facts,
+    watch_mp_job_outcomes,
 )
 from stagetrace._safety import report_internal_error
 from stagetrace.capture import offload
@@ -138,23 +140,48 @@ def _make_task_generation(original: Any) -> Any:
             return tasks
         try:
             parent = current_parent(rt)  # here, in the caller's thread: the tasks are made on the pool's
+            if parent is None:
+                return tasks
+            calls = _watch_job(self, result_job)
         except Exception:
             report_internal_error("offload submission")
             return tasks
-        if parent is None:
+        if calls is None:
             return tasks
-        return _offloaded_tasks(tasks, rt, parent, self)
+        return _offloaded_tasks(tasks, rt, parent, self, calls)
 
     return guarded_task_generation
 
 
-def _offloaded_tasks(tasks: Iterator[Any], rt: Any, parent: Any, pool: Any) -> Iterator[Any]:
+def _watch_job(pool: Any, job: Any) -> dict[int, offload.PendingOffload] | None:
+    """The job's traced calls by task index, each ended at its failure where its worker's report did not end
+    it: a task the pool could not send (a function or argument that cannot be pickled), a result its worker
+    could not send back. The pool hands every task's outcome to the job's result (``_compat``): watched on
+    this job alone, it is the failure hook ``apply_async`` has in its error callback. None where the pool
+    holds no result for the job (an empty map: no tasks) or its layout differs."""
+    calls: dict[int, offload.PendingOffload] = {}
+
+    def outcome(index: int, value: Any) -> None:
+        try:
+            pending = calls.pop(index, None)
+            if pending is not None and not value[0]:
+                offload.failed(pending, value[1])  # idempotent: a call whose report came is already ended
+        except Exception:
+            report_internal_error("offload failure")
+
+    return calls if watch_mp_job_outcomes(pool, job, outcome) else None
+
+
+def _offloaded_tasks(
+    tasks: Iterator[Any], rt: Any, parent: Any, pool: Any, calls: dict[int, offload.PendingOffload]
+) -> Iterator[Any]:
     for job, index, fn, args, kwds in tasks:
         if getattr(fn, "__name__", "") == _REPLAYED:
             yield job, index, fn, args, kwds
             continue
         try:
             call: Any = offload.OffloadCall(fn, args, kwds, _begin_at(rt, parent, pool, _MP_POOL, fn, args))
+            calls[index] = call.pending  # before the pool has the task: its outcome cannot come first
         except Exception:
             report_internal_error("offload submission")
             call = None
