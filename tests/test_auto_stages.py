@@ -16,8 +16,11 @@ from fastapi import FastAPI
 from PIL import Image
 
 import stagetrace
+from fakes import FakeCudaBackend, FakeGpu, FakeTensor, fake_model
 from stagetrace import conventions as c
+from stagetrace.gpu import attach_gpu
 from stagetrace.integrations import auto_stages
+from stagetrace.settings import KEEP_REPEATS
 
 
 @pytest.fixture
@@ -83,12 +86,79 @@ def test_where_a_forward_runs_is_read_from_the_module_or_its_input():
     assert read(_Resize(), (Image.new("RGB", (4, 4)),), {}) is None
 
 
-def test_a_module_on_another_device_is_a_gpu_kind_stage(auto):
-    harness, _ = auto
+@pytest.fixture
+def fake_cuda(make_harness):
+    """Automatic stages over a harness whose GPU timing runs on a fake CUDA device (tests/fakes.py): CUDA
+    events can be recorded whatever device is asked, so the test sees which device, if any, a stage asked."""
+    harness = make_harness(gpu=False)
+    gpu = FakeGpu(virtual_clock=True)
+    support = attach_gpu(harness.handle.runtime, backend=FakeCudaBackend(gpu), nvml=None, nvml_enabled=False)
+    auto_stages.instrument()
+    yield harness, gpu, support
+    auto_stages.uninstrument()
+
+
+class _On(torch.nn.Module):
+    """A module whose parameters live on ``device`` (any torch.device, built without that device present);
+    its forward launches ``ms`` of kernels on the fake GPU's current stream, as a CUDA forward returns at once."""
+
+    def __init__(self, gpu: FakeGpu, device: torch.device, ms: float = 30.0) -> None:
+        super().__init__()
+        self.gpu, self.where, self.ms = gpu, device, ms
+
+    def parameters(self, recurse: bool = True):
+        yield types.SimpleNamespace(device=self.where)
+
+    def forward(self, x):
+        return fake_model(x, ms=self.ms)
+
+
+@pytest.mark.parametrize("device", ["mps", "xpu:0", "meta"])
+def test_a_module_on_another_device_is_a_host_timed_gpu_kind_stage(fake_cuda, device):
+    """Not the CPU's work, so a ``gpu`` stage; but no CUDA event can time it (it used to record them on the
+    current CUDA device, another device's stream): its time is the host's."""
+    harness, gpu, support = fake_cuda
     with stagetrace.pipeline("infer"):
-        _Meta()(torch.ones(1))
-    (forward,) = [s for s in harness.spans() if s.name == "forward"]
+        _On(gpu, torch.device(device))(FakeTensor(gpu, 4096))
+        _Meta()(torch.ones(1))  # a real module on a non-CPU device
+    forwards = [s for s in harness.spans() if s.name == "forward"]
+    assert len(forwards) == 2
+    assert all(f.attributes[c.STAGE_KIND] == "gpu" and c.GPU_DURATION_MS not in f.attributes for f in forwards)
+    assert support.timer.devices_seen == set() and gpu.events_created == 0  # no CUDA event asked for
+
+
+def test_a_cuda_modules_forward_is_timed_with_cuda_events_on_its_own_device(fake_cuda):
+    """The events go on the module's device (here cuda:1), not the current default device (cuda:0)."""
+    harness, gpu, support = fake_cuda
+    with stagetrace.pipeline("infer"):
+        _On(gpu, torch.device("cuda", 1), ms=30)(FakeTensor(gpu, 4096, "cuda:1"))
+        gpu.current_stream().wait_host()  # as a copy of the result to the host would: the kernels have run
+    (forward,) = harness.by_name("forward")
     assert forward.attributes[c.STAGE_KIND] == "gpu"
+    assert 29 <= forward.attributes[c.GPU_DURATION_MS] <= 35
+    assert support.timer.devices_seen == {1}
+
+
+def cuda(test):
+    """The ``cuda`` marker, and a visible skip without a device (``pytest -m cuda`` selects these)."""
+    needs = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the GPU machine)")
+    return pytest.mark.cuda(needs(test))
+
+
+@cuda
+def test_a_cuda_models_automatic_forward_has_its_cuda_event_gpu_time(auto):
+    harness, _ = auto
+    device = torch.device("cuda", torch.cuda.device_count() - 1)  # the last: another than the default where several
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048)).to(device)
+    x = torch.randn(1024, 2048, device=device)
+    torch.cuda.synchronize(device)
+    with stagetrace.pipeline("infer"), torch.no_grad():
+        for _ in range(KEEP_REPEATS):  # each a span of its own (past it, repeats fold into a composite)
+            x = model(x)
+    forwards = [s for s in harness.spans() if s.name == "forward"]
+    assert len(forwards) == KEEP_REPEATS
+    assert all(f.attributes[c.STAGE_KIND] == "gpu" and f.attributes[c.GPU_DURATION_MS] > 0 for f in forwards)
+    assert harness.handle.runtime.gpu.timer.devices_seen == {device.index}
 
 
 def test_transforms_inside_an_automatic_stage_are_not_forward_stages(harness, monkeypatch):

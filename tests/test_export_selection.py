@@ -19,10 +19,14 @@ from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
 from stagetrace.destinations.env import (
+    DISTRO_DEFAULTS_VARIABLE,
+    EXPORT_VARIABLES,
     Selection,
+    inherited_defaults,
     metric_readers,
     metric_selection,
     parse_environ,
+    remember_distro_defaults,
     set_since_start,
     span_exporters,
     span_selection,
@@ -201,6 +205,43 @@ def test_variables_set_after_the_start_are_a_distros_not_the_users(monkeypatch):
     assert "OTEL_TRACES_EXPORTER" not in users and users["OTEL_METRICS_EXPORTER"] == "console"
     assert span_selection(users) is None and metric_selection(users) == Selection(("console",))
     assert set_since_start({**start, "OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}) == set()
+
+
+def test_a_worker_started_with_the_distros_defaults_still_knows_them_for_defaults(monkeypatch):
+    """A process manager's workers (``uvicorn --workers``, gunicorn) start with the values the distro set in
+    the first process already in their environment: the first process records them, variable and value, and
+    a worker takes a variable for the user's only where the record does not name it or its value differs."""
+    for var in EXPORT_VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(DISTRO_DEFAULTS_VARIABLE, "")  # no record yet; removed again at the end
+    first_start = {"OTEL_METRICS_EXPORTER": "otlp"}  # the user's, the same value as the distro's default
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "otlp")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")  # the distro's
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")  # the distro's
+    distros = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    assert remember_distro_defaults(first_start) == distros
+    assert json.loads(os.environ[DISTRO_DEFAULTS_VARIABLE]) == distros == inherited_defaults()
+
+    worker_start = dict(os.environ)  # a worker: all of it inherited, the record too
+    users = users_environment(worker_start)
+    assert span_selection(users) is None  # not the user's: the embedded default, as in the first process
+    assert metric_selection(users) == Selection(("otlp",), "http/protobuf")  # the user's, the protocol not
+    assert DISTRO_DEFAULTS_VARIABLE not in users
+    assert remember_distro_defaults(worker_start) == distros  # handed on to the worker's own children
+
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")  # the user's, set before starting the worker
+    assert span_selection(users_environment(dict(os.environ))) == Selection(("console",))
+
+    for record in ("not json", "[1]", '{"OTEL_TRACES_EXPORTER": 1}', '{"OTEL_SERVICE_NAME": "x"}'):
+        monkeypatch.setenv(DISTRO_DEFAULTS_VARIABLE, record)  # not a record: every variable is the user's
+        assert inherited_defaults() == {}
+        assert users_environment(dict(os.environ))["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
+
+    monkeypatch.setenv(DISTRO_DEFAULTS_VARIABLE, json.dumps(distros))
+    for var in distros:
+        monkeypatch.delenv(var)
+    assert remember_distro_defaults(dict(os.environ)) == {}  # none left: no record for the children
+    assert DISTRO_DEFAULTS_VARIABLE not in os.environ
 
 
 def test_the_starting_environment_is_what_the_process_began_with():

@@ -84,63 +84,80 @@ def root_spans(path: Path) -> list[tuple[dict, dict]]:
     return found
 
 
-# Every value the docs list for OTEL_TRACES_EXPORTER (and none at all), with OpenTelemetry's distro and
-# configurator, and with none (as where they are not installed): nothing tries to reach a collector that is
-# not there, and a file is written only where the user asked for one or chose nothing, named after the
-# application's process and carrying its service name.
+def both(extra: dict[str, str], traces: tuple[str, ...], metrics: tuple[str, ...], name: str, fast: bool = False):
+    """A case with OpenTelemetry's distro and configurator, and with none (as where they are not installed)."""
+    return [
+        pytest.param(extra, traces, metrics, id=f"{name}, distro", marks=() if fast else pytest.mark.slow),
+        pytest.param({**extra, **NO_DISTRO}, traces, metrics, id=f"{name}, no distro", marks=pytest.mark.slow),
+    ]
+
+
+# Every value the docs list for OTEL_TRACES_EXPORTER and OTEL_METRICS_EXPORTER (and none at all), and a list
+# of several, with OpenTelemetry's distro and without: each signal goes where it was asked to (a JSON lines
+# file, standard output, the collector) or, asked nothing, where the docs' table says; nothing tries to reach
+# a collector that is not there, and a file is written only where the user asked for one or chose nothing,
+# named after the application's process and carrying its service name.
+FILE, CONSOLE, COLLECTOR = "file", "console", "collector"
 DISTRO_CASES = [
-    pytest.param({}, "files", id="nothing chosen, distro"),
-    pytest.param(NO_DISTRO, "files", id="nothing chosen, no distro", marks=pytest.mark.slow),
-    pytest.param({"OTEL_TRACES_EXPORTER": "file"}, "files", id="file, distro"),
-    pytest.param({"OTEL_TRACES_EXPORTER": "file", **NO_DISTRO}, "files", id="file, no distro", marks=pytest.mark.slow),
-    pytest.param({"OTEL_TRACES_EXPORTER": "none"}, "nothing", id="none, distro", marks=pytest.mark.slow),
-    pytest.param(
-        {"OTEL_TRACES_EXPORTER": "none", **NO_DISTRO}, "nothing", id="none, no distro", marks=pytest.mark.slow
-    ),
-    pytest.param({"OTEL_TRACES_EXPORTER": "console"}, "console", id="console, distro", marks=pytest.mark.slow),
-    pytest.param(
-        {"OTEL_TRACES_EXPORTER": "console", **NO_DISTRO}, "console", id="console, no distro", marks=pytest.mark.slow
-    ),
-    pytest.param({"OTEL_TRACES_EXPORTER": "otlp"}, "collector", id="otlp, distro", marks=pytest.mark.slow),
-    pytest.param(
-        {"OTEL_TRACES_EXPORTER": "otlp", **NO_DISTRO}, "collector", id="otlp, no distro", marks=pytest.mark.slow
-    ),
+    *both({}, (FILE,), (FILE,), "nothing chosen", fast=True),
+    *both({"OTEL_TRACES_EXPORTER": "file"}, (FILE,), (FILE,), "file", fast=True),
+    *both({"OTEL_TRACES_EXPORTER": "none"}, (), (), "none"),
+    *both({"OTEL_TRACES_EXPORTER": "console"}, (CONSOLE,), (), "console"),
+    *both({"OTEL_TRACES_EXPORTER": "otlp"}, (COLLECTOR,), (), "otlp"),
+    *both({"OTEL_TRACES_EXPORTER": "file,console"}, (FILE, CONSOLE), (FILE,), "file+console", fast=True),
+    *both({"OTEL_METRICS_EXPORTER": "file"}, (FILE,), (FILE,), "metrics file"),
+    *both({"OTEL_METRICS_EXPORTER": "none"}, (FILE,), (), "metrics none"),
+    *both({"OTEL_METRICS_EXPORTER": "console"}, (FILE,), (CONSOLE,), "metrics console", fast=True),
+    *both({"OTEL_METRICS_EXPORTER": "otlp"}, (FILE,), (COLLECTOR,), "metrics otlp"),
 ]
 
 
-@pytest.mark.parametrize(("extra", "expect"), DISTRO_CASES)
-def test_each_documented_exporter_value_with_and_without_the_distro(tmp_path, otlp_receiver, extra, expect):
+@pytest.mark.parametrize(("extra", "traces", "metrics"), DISTRO_CASES)
+def test_each_documented_exporter_value_with_and_without_the_distro(tmp_path, otlp_receiver, extra, traces, metrics):
     out_dir = tmp_path / "out"
     env = {"OTEL_SERVICE_NAME": "zc-app", "STAGETRACE_OUTPUT_DIR": str(out_dir), **extra}
-    if expect == "collector":
+    if COLLECTOR in traces:
         env |= {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.grpc_endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
                 "OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_METRICS_EXPORTER": "none"}  # fmt: skip
+    if COLLECTOR in metrics:  # the metrics' own endpoint: the traces' choice stays unmade
+        env |= {"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": otlp_receiver.grpc_endpoint,
+                "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_INSECURE": "true"}  # fmt: skip
     out = run_instrumented(tmp_path, env)
     pid = app_pid(out)
     assert "localhost:4317" not in out.stderr and "Failed to export" not in out.stderr, out.stderr[-2000:]
     files = sorted(p.name for p in out_dir.glob("*.jsonl")) if out_dir.exists() else []
-    if expect == "files":
-        assert files == [f"metrics-zc-app-{pid}.jsonl", f"traces-zc-app-{pid}.jsonl"]
+    expected = [f"metrics-zc-app-{pid}.jsonl"] * (FILE in metrics) + [f"traces-zc-app-{pid}.jsonl"] * (FILE in traces)
+    assert files == expected
+    if FILE in traces:
         roots = root_spans(out_dir / f"traces-zc-app-{pid}.jsonl")
         assert len(roots) == 3
         assert all(r["service.name"] == {"stringValue": "zc-app"} for r, _ in roots)
-        (metrics_line, *_) = json_lines(out_dir / f"metrics-zc-app-{pid}.jsonl")
-        names = {
-            m["name"] for rm in metrics_line["resourceMetrics"] for sm in rm["scopeMetrics"] for m in sm["metrics"]
-        }
-        assert c.METRIC_TRACE_DURATION in names
         report = subprocess.run(
             [sys.executable, "-m", "stagetrace.cli.main", "report", str(out_dir)], capture_output=True, text=True
         )
         assert report.returncode == 0 and "3 traces" in report.stdout, report.stdout + report.stderr
-    else:
-        assert files == []
-    if expect == "console":
-        assert out.stdout.count('"name": "GET /predict"') == 3
-    if expect == "collector":
-        sink = otlp_receiver.sink
+    if FILE in metrics:
+        (metrics_line, *_) = json_lines(out_dir / f"metrics-zc-app-{pid}.jsonl")
+        resources = [
+            {a["key"]: a["value"] for a in rm["resource"]["attributes"]} for rm in metrics_line["resourceMetrics"]
+        ]
+        assert resources and all(r["service.name"] == {"stringValue": "zc-app"} for r in resources)
+        names = {
+            m["name"] for rm in metrics_line["resourceMetrics"] for sm in rm["scopeMetrics"] for m in sm["metrics"]
+        }
+        assert c.METRIC_TRACE_DURATION in names
+    assert out.stdout.count('"name": "GET /predict"') == (3 if CONSOLE in traces else 0)
+    console_metrics = f'"name": "{c.METRIC_TRACE_DURATION}"' in out.stdout
+    assert console_metrics == (CONSOLE in metrics), out.stdout[-2000:]
+    if CONSOLE in metrics:
+        assert '"service.name": "zc-app"' in out.stdout
+    sink = otlp_receiver.sink
+    if COLLECTOR in traces:
         assert sink.wait_for(lambda s: sum(1 for x in s.spans if x.name == "GET /predict") >= 3)
         assert all(x.resource["service.name"] == "zc-app" for x in sink.spans if x.name == "GET /predict")
+    if COLLECTOR in metrics:
+        assert sink.wait_for(lambda s: c.METRIC_TRACE_DURATION in s.metric_names)
+    assert (COLLECTOR in traces) == bool(sink.spans) and (COLLECTOR in metrics) == bool(sink.metric_names)
 
 
 @pytest.mark.parametrize(
@@ -207,12 +224,15 @@ def test_without_an_sdk_stagetrace_configures_itself(tmp_path):
     assert sum(1 for s in spans if s["name"] == "serialize") == 3  # STAGETRACE_AUTO_STAGES: no decorator needed
 
 
-def test_uninstrument_restores_everything():
+def test_uninstrument_restores_everything(monkeypatch):
     import concurrent.futures
 
     import fastapi.routing
 
+    from stagetrace.destinations.env import DISTRO_DEFAULTS_VARIABLE
     from stagetrace.integrations.zero_code import StagetraceInstrumentor
+
+    monkeypatch.setenv(DISTRO_DEFAULTS_VARIABLE, "")  # what instrument() records leaves with the test
 
     before = (concurrent.futures.ThreadPoolExecutor.submit, fastapi.routing.run_in_threadpool)
     assert not any(getattr(f, "__stagetrace_wrapped__", False) for f in before)
@@ -374,3 +394,83 @@ def test_the_zero_code_page_followed_literally_under_uvicorn_ends_with_a_report(
     )  # fmt: skip
     assert summary["counted"] == {"requests": 12, "slow": 0} and 1 <= summary["traces"] <= 12
     assert "serialize" in summary["stages"] or "fastapi.serialization" in summary["stages"]  # automatic stages
+
+
+WORKERS_APP = textwrap.dedent(
+    """
+    import os, time
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.post("/predict/")
+    async def predict():
+        time.sleep(0.02)  # holds this worker's loop: concurrent connections go to the other worker too
+        return {"pid": os.getpid()}
+    """
+)
+
+
+@pytest.mark.slow
+def test_under_a_process_manager_every_worker_writes_its_own_files(tmp_path):
+    """``opentelemetry-instrument uvicorn app:app --workers 2`` with the distro installed: the workers start
+    with the distro's defaults already in their environment (set in the supervisor, after it started), and
+    still take them for the distro's, not the user's: each worker writes the embedded default's files,
+    named after its own pid, with the traces of the requests it served, and nothing goes to localhost."""
+    import collections
+    import concurrent.futures
+    import signal
+    import urllib.request
+
+    from harness import free_port, wait_for_port
+
+    (tmp_path / "app.py").write_text(WORKERS_APP)
+    bin_dir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_", "_STAGETRACE_"))}
+    env |= {"PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", "OTEL_SERVICE_NAME": "detector",
+            "STAGETRACE_HEALTHY_SAMPLE": "1", "STAGETRACE_EXPORT_BUDGET": "off"}  # fmt: skip
+    port = free_port()
+    command = ["opentelemetry-instrument", "uvicorn", "app:app", "--workers", "2", "--host", "127.0.0.1"]
+    server = subprocess.Popen(
+        [str(bin_dir / command[0]), *command[1:], "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def predict(_: int) -> int:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/predict/", data=b"", method="POST")
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return int(json.loads(response.read())["pid"])
+
+    served: collections.Counter[int] = collections.Counter()
+    try:
+        wait_for_port(port, server)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            for _ in range(10):  # until both workers have served some
+                served.update(pool.map(predict, range(16)))
+                if len(served) == 2:
+                    break
+    finally:
+        server.send_signal(signal.SIGINT)  # Ctrl-C: uvicorn stops its workers, which flush
+        _, stderr = server.communicate(timeout=60)
+    assert len(served) == 2 and server.pid not in served, served
+    assert "localhost:4317" not in stderr and "Failed to export" not in stderr, stderr[-2000:]
+    out_dir = tmp_path / "stagetrace-out"
+    traces = sorted(p.name for p in out_dir.glob("traces-*.jsonl"))
+    assert traces == sorted(f"traces-detector-{pid}.jsonl" for pid in served), (traces, served)
+    assert {p.name for p in out_dir.glob("metrics-*.jsonl")} <= {f"metrics-detector-{pid}.jsonl" for pid in served}
+    for pid, requests in served.items():
+        roots = [
+            (resource, span)
+            for doc in json_lines(out_dir / f"traces-detector-{pid}.jsonl")
+            for rs in doc["resourceSpans"]
+            for resource in [{a["key"]: a["value"] for a in rs["resource"]["attributes"]}]
+            for ss in rs["scopeSpans"]
+            for span in ss["spans"]
+            if span["name"] == "POST /predict/"
+        ]
+        assert len(roots) == requests, (pid, len(roots), requests)  # the requests this worker served, no other's
+        assert all(r["service.name"] == {"stringValue": "detector"} for r, _ in roots)

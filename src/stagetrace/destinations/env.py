@@ -5,10 +5,14 @@ None means nothing is configured, so that stagetrace falls back to its embedded 
 retrying a collector that is not there.
 
 Where a distro ran first (``opentelemetry-instrument`` with ``opentelemetry-distro``), some of these
-variables hold its defaults, not the user's choice: ``users_environment`` leaves those out."""
+variables hold its defaults, not the user's choice: ``users_environment`` leaves those out. A process tells
+them by the environment it started with; its children (``uvicorn --workers``, gunicorn's exec'd workers)
+start with the distro's values already in theirs, so the first process records them
+(``remember_distro_defaults``) in a variable the children inherit."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -179,8 +183,55 @@ def set_since_start(start: Mapping[str, str] | None = None) -> frozenset[str]:
     return frozenset(v for v in EXPORT_VARIABLES if v in os.environ and v not in start)
 
 
-def users_environment(start: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``os.environ`` less the export variables a distro set: what the user chose (in the environment, or
-    with ``opentelemetry-instrument``'s options, which become variables before the program starts)."""
+# Where a process records the distro's defaults for its children: a JSON object, variable -> value. Internal
+# (a handoff between stagetrace's own processes, not a setting), hence the leading underscore.
+DISTRO_DEFAULTS_VARIABLE = "_STAGETRACE_DISTRO_DEFAULTS"
+
+
+def inherited_defaults(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The distro's defaults an ancestor process recorded (``remember_distro_defaults``); empty where there
+    is no record, or it is not one (anything but a JSON object of export variables and string values)."""
+    raw = (os.environ if env is None else env).get(DISTRO_DEFAULTS_VARIABLE)
+    if not raw:
+        return {}
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return {}
+    if not isinstance(record, dict):
+        return {}
+    return {k: v for k, v in record.items() if k in EXPORT_VARIABLES and isinstance(v, str)}
+
+
+def distro_defaults_here(start: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The export variables in ``os.environ`` that hold a distro's default rather than the user's choice,
+    with their values: set after this process started (``set_since_start``), or recorded by an ancestor
+    with the value they still hold. A recorded variable whose value differs (the user set another one, in
+    the environment of this process or in code before starting it) is the user's; so is one the record
+    does not name (a variable the user set before the first process started is never recorded)."""
     added = set_since_start(start)
-    return {k: v for k, v in os.environ.items() if k not in added}
+    inherited = inherited_defaults()
+    return {
+        v: os.environ[v]
+        for v in EXPORT_VARIABLES
+        if v in os.environ and (v in added or inherited.get(v) == os.environ[v])
+    }
+
+
+def remember_distro_defaults(start: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Record this process's distro defaults (``distro_defaults_here``) in ``os.environ`` for the processes it
+    starts, which inherit it; no record where there are none. Returns what was recorded."""
+    defaults = distro_defaults_here(start)
+    if defaults:
+        os.environ[DISTRO_DEFAULTS_VARIABLE] = json.dumps(defaults, sort_keys=True, separators=(",", ":"))
+    else:
+        os.environ.pop(DISTRO_DEFAULTS_VARIABLE, None)
+    return defaults
+
+
+def users_environment(start: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``os.environ`` less the export variables that hold a distro's defaults (``distro_defaults_here``):
+    what the user chose (in the environment, or with ``opentelemetry-instrument``'s options, which become
+    variables before the program starts)."""
+    defaults = distro_defaults_here(start)
+    return {k: v for k, v in os.environ.items() if k not in defaults and k != DISTRO_DEFAULTS_VARIABLE}

@@ -8,10 +8,13 @@ Without decorating anything, these become stages:
 | ``torchvision.transforms.Compose.__call__`` | ``transforms`` | cpu |
 | a Hugging Face tokenizer call (``PreTrainedTokenizerBase.__call__``) | ``tokenize`` | cpu |
 | torch copies between host and device (``Tensor.to``) | ``h2d``, ``d2h`` | h2d, d2h |
-| the forward of the outermost ``nn.Module`` call | ``forward`` | its device's: gpu (CUDA events) or cpu |
+| the forward of the outermost ``nn.Module`` call | ``forward`` | its device's: cpu, or gpu (**) |
 | FastAPI's response serialisation (``serialize_response``) (*) | ``serialize`` | cpu |
 
 (*) unless FastAPI's own telemetry already times it as ``fastapi.serialization``, which is then the stage.
+(**) timed with CUDA events on the module's own device when it is a CUDA device; on any other device (MPS,
+XPU, ``meta``, ...) a ``gpu`` stage timed on the host: no CUDA event can time that device's work, and the work
+is the device's, not the CPU's, so the CPU rules do not judge it.
 
 Only libraries that are installed are patched; ``uninstrument()`` restores every original. Nested calls
 (a module inside a module, ``load`` inside ``resize``) become one stage, the outermost; a module called
@@ -29,6 +32,7 @@ from typing import Any
 
 from opentelemetry.trace import get_current_span
 
+from stagetrace._safety import report_internal_error
 from stagetrace.capture.gpu import GpuStage, timed_copy
 from stagetrace.capture.stage import Stage, enter_stage, exit_stage
 from stagetrace.conventions import FOREIGN_STAGES
@@ -117,35 +121,59 @@ def _tensor_to(original: Any) -> Any:
     return to
 
 
-def module_device_type(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """Where a module's forward runs: the device type of its first parameter or buffer, else of its first
-    tensor argument; None for a module with neither (a torchvision transform given a PIL image)."""
+def module_device(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Where a module's forward runs: the device of its first parameter or buffer, else of its first tensor
+    argument; None for a module with neither (a torchvision transform given a PIL image)."""
     for tensor in itertools.chain(module.parameters(), module.buffers()):
-        return str(tensor.device.type)
+        return tensor.device
     for value in itertools.chain(args, kwargs.values()):
         device = getattr(value, "device", None)
         if device is not None and hasattr(value, "dtype"):
-            return str(device.type)
+            return device
     return None
 
 
+def module_device_type(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The type of ``module_device`` (``cpu``, ``cuda``, ``mps``, ...), or None."""
+    device = module_device(module, args, kwargs)
+    return None if device is None else str(getattr(device, "type", device))
+
+
+def forward_stage(device: Any) -> Stage | GpuStage:
+    """The ``forward`` stage for a module on ``device``: ``cpu`` on the CPU (judged by the CPU rules like any
+    CPU stage); ``gpu`` timed with CUDA events on the current stream of the module's own CUDA device (not
+    the current default device, which may be another one); ``gpu`` timed on the host on any other device
+    (MPS, XPU, ``meta``, ...), where CUDA events cannot time the work, which is still the device's and not
+    the CPU's."""
+    device_type = str(getattr(device, "type", device))
+    if device_type == "cpu":
+        return Stage("forward", "cpu")
+    if device_type == "cuda":
+        return GpuStage("forward", "gpu", device)
+    return Stage("forward", "gpu")
+
+
 def _module_call(original: Any) -> Any:
-    """The outermost module call is the ``forward`` stage, of the kind of the device it runs on: CUDA-event
-    timed ``gpu`` on a CUDA device, ``cpu`` on the CPU (judged by the CPU rules like any CPU stage). A
-    module called inside another automatic stage (a torchvision transform inside ``transforms``, a layer
-    inside the model's forward) is part of that stage, not a forward of its own."""
+    """The outermost module call is the ``forward`` stage, of the kind of the device it runs on
+    (``forward_stage``). A module called inside another automatic stage (a torchvision transform inside
+    ``transforms``, a layer inside the model's forward) is part of that stage, not a forward of its own."""
 
     @functools.wraps(original)
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         inside = _inside.get()
         if inside:
             return original(self, *args, **kwargs)
-        device_type = module_device_type(self, args, kwargs)
-        if device_type is None:
+        try:
+            device = module_device(self, args, kwargs)
+            stage = None if device is None else forward_stage(device)
+        except Exception:  # an odd module or device: its call goes on, unstaged
+            report_internal_error("automatic forward stage")
+            stage = None
+        if stage is None:
             return original(self, *args, **kwargs)
         token = _inside.set(inside | {"forward"})
         try:
-            with GpuStage("forward") if device_type != "cpu" else Stage("forward", "cpu"):
+            with stage:
                 return original(self, *args, **kwargs)
         finally:
             _inside.reset(token)

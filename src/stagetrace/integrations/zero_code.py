@@ -6,7 +6,9 @@ configurator of its own, so a user's distro keeps working.
 
 Either way it reads the user's choices, not a distro's defaults (``env.users_environment``): with nothing
 chosen, the traces and metrics go to the embedded default's JSON lines files, as without a distro, instead
-of to a collector on localhost that the distro assumed.
+of to a collector on localhost that the distro assumed. It records those defaults for the processes the
+application starts (``env.remember_distro_defaults``): a process manager's workers (``uvicorn --workers``,
+gunicorn) start with the distro's values in their environment, and must not take them for the user's.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type:
 from opentelemetry.sdk.trace import TracerProvider
 
 from stagetrace import _state
-from stagetrace._safety import logger
-from stagetrace.destinations.env import users_environment
+from stagetrace._safety import logger, report_internal_error
+from stagetrace.destinations.env import remember_distro_defaults, users_environment
 from stagetrace.integrations.asgi import install_request_signals, uninstall_request_signals
 from stagetrace.integrations.threads import propagate_context_to_threads, stop_propagating_context
 from stagetrace.settings import auto_stages_from_env, disabled_from_env
@@ -39,6 +41,10 @@ class StagetraceInstrumentor(BaseInstrumentor):
         from stagetrace.configuration import attach, configure
 
         if _state.runtime is None:
+            try:
+                remember_distro_defaults()
+            except Exception:  # the record is for the workers: without it, this process still works
+                report_internal_error("recording the distro's defaults")
             users = users_environment()
             provider = kwargs.get("tracer_provider") or trace_api.get_tracer_provider()
             if isinstance(provider, TracerProvider):
