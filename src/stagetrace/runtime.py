@@ -10,6 +10,8 @@ from typing import Any
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 
+from stagetrace._compat import detach_metric_reader
+from stagetrace._safety import report_internal_error
 from stagetrace._version import __version__
 from stagetrace.analysis import Verdict
 from stagetrace.capture.cpu import CpuSignals
@@ -64,6 +66,8 @@ class Runtime:
         self.settings = settings
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
+        self._local_spans = local  # the application's own span exporters' processor, if any
+        self._metric_readers = tuple(metric_readers)
         self.metrics = MetricsRecorder()  # metric events raised in the application, shipped to the exporter
         self.registry = TraceRegistry(settings.max_traces_in_flight, settings.trace_ttl_s, self.metrics.dropped)
         app_metrics: MetricsSink = NoMetrics()
@@ -140,11 +144,23 @@ class Runtime:
         return InlineTransport(shipper, ExporterCore(self.settings, self.local))
 
     def stand_down(self) -> None:
-        """In a process pool's worker forked from this process: nothing here ships or samples (the worker's
-        calls report to the parent through their results, ``capture/worker.py``)."""
+        """In a process pool's worker forked from this process: nothing here ships, samples or exports (the
+        worker's calls report to the parent through their results, ``capture/worker.py``). The SDK's own
+        export threads for the exporters and readers that live in the application (a ``span_exporter`` or
+        ``metric_reader`` given to ``configure()``, or no exporter process) were restarted in the worker by
+        OpenTelemetry's at-fork hooks: they are shut down here, exporting nothing (the span queue was emptied
+        at the fork; a reader's last collection is made a no-op: the worker would send copies of the parent's
+        metrics)."""
         self.shipper.stand_down()
         if self.gil_sampler is not None:
             self.gil_sampler.stop()  # its thread did not survive the fork; this keeps it from restarting
+        try:
+            if self._local_spans is not None:
+                self._local_spans.shutdown()
+            for reader in self._metric_readers:
+                detach_metric_reader(self.meter_provider, reader)
+        except Exception:
+            report_internal_error("standing down the SDK's export threads in a worker")
 
     def shutdown_samplers(self) -> None:
         if self.gil_sampler is not None:
