@@ -20,7 +20,13 @@ server process on 127.0.0.1:
   stagetrace-thread the default, with STAGETRACE_EXPORT_PROCESS=off (the exporter's work on a thread of
                     the server process).
 Two workloads: "gil-free" (zlib compression, which releases the GIL; the thread pool as FastAPI sets it)
-and "gil-bound" (pure-Python stage work, one worker thread). Every instrumented variant exports OTLP/HTTP
+and "gil-bound" (pure-Python stage work, one worker thread). A third, "offload" (``--workload offload``), is
+the fix stagetrace's advice gives for the second: each stage's pure-Python work handed to the server's
+``ProcessPoolExecutor`` of one worker (fork, warmed before anything is configured) and waited for; its pairs
+put the cost of tracing each offloaded call (an offload stage, its four children, the worker's report) beside
+the same server with process pools left untraced (``stagetrace-pools-off``: ``STAGETRACE_NO_PROCESS_POOLS=1``)
+and beside hand-written spans around each call. The pool's worker is in its server's tree (and in the
+"exporter process" column, which is the tree less the server process). Every instrumented variant exports OTLP/HTTP
 to the same local sink process (it answers and drops the bytes; it is not part of any server's process
 tree). The clients are threads of this process, each on its own keep-alive connection
 (``stagetrace.demo.load.TimedConnection``: little CPU a request).
@@ -56,6 +62,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -67,7 +74,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NamedTuple
 
 from harness import free_port, wait_for_port
-from proctree import process_cpu_s, tree_cpu_s
+from proctree import descendants, process_cpu_s, tree_cpu_s
 
 STAGES = (
     ("decode", 2.0),
@@ -96,7 +103,15 @@ def gil_bound_work(ms: float) -> int:
     return total
 
 
-WORK = {"gil-free": gil_free_work, "gil-bound": gil_bound_work}
+_POOL: Any = None  # the offload workload's process pool: one worker, made in ``serve`` before the app
+
+
+def offload_work(ms: float) -> int:
+    """The GIL-bound work handed to the server's process pool, waited for."""
+    return int(_POOL.submit(gil_bound_work, ms).result())
+
+
+WORK = {"gil-free": gil_free_work, "gil-bound": gil_bound_work, "offload": offload_work}
 
 
 def _calibrate() -> dict[str, float]:
@@ -193,7 +208,8 @@ def make_app(variant: str, workload: str):
                     n += work(ms)
             return {"n": n}
 
-        stagetrace.instrument_fastapi(app, telemetry="contrib" if variant == "stagetrace-contrib" else "auto")
+        contrib = variant in ("stagetrace-contrib", "stagetrace-pools-off")
+        stagetrace.instrument_fastapi(app, telemetry="contrib" if contrib else "auto")
     return app
 
 
@@ -254,10 +270,21 @@ def _publish_threads(path: str) -> None:
 def serve(variant: str, workload: str, port: int) -> None:
     import uvicorn
 
+    global _POOL
     _PER_MS.update({k: float(v) for k, v in (kv.split("=") for kv in os.environ["E2E_PER_MS"].split(","))})
+    if workload == "offload":
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        _POOL = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("fork"))
+        _POOL.submit(gil_bound_work, 1.0).result()  # the worker started and warm before the first request
     app = make_app(variant, workload)
     _publish_threads(os.environ["E2E_THREADS_FILE"])
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    try:
+        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    finally:
+        if _POOL is not None:
+            _POOL.shutdown(cancel_futures=True)  # its worker would outlive the server, holding its pipes
 
 
 def _load(port: int, n: int, concurrency: int) -> tuple[float, list[float]]:
@@ -302,6 +329,7 @@ def _load(port: int, n: int, concurrency: int) -> tuple[float, list[float]]:
 VARIANT_ENV = {
     "stagetrace-all": {"STAGETRACE_HEALTHY_SAMPLE": "1.0", "STAGETRACE_EXPORT_BUDGET": "off"},
     "stagetrace-thread": {"STAGETRACE_EXPORT_PROCESS": "off"},
+    "stagetrace-pools-off": {"STAGETRACE_NO_PROCESS_POOLS": "1"},
 }
 VARIANTS = (
     "uninstrumented",
@@ -424,8 +452,14 @@ class Server:
         return {k: v * 1000 / requests for k, v in out.items()}
 
     def stop(self) -> None:
+        """The server and whatever it started (its exporter process, its pool's worker): a worker whose server
+        is gone would hold this benchmark's output open."""
+        left = descendants(self.proc.pid)
         self.proc.terminate()
         self.proc.wait(timeout=30)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
 
 
 # --- paired co-runs ---------------------------------------------------------------------------------------
@@ -441,6 +475,18 @@ PAIRS = (
     ("stagetrace-all", "stagetrace"),
     ("stagetrace-thread", "stagetrace"),
 )
+# The offload workload's: what tracing the calls costs, against the same stagetrace with pools untraced and
+# against hand-written spans around each call.
+OFFLOAD_PAIRS = (
+    ("handwritten", "contrib-only"),
+    ("stagetrace-contrib", "contrib-only"),
+    ("stagetrace-contrib", "handwritten"),
+    ("stagetrace-contrib", "stagetrace-pools-off"),
+)
+
+
+def pairs_of(workload: str) -> tuple[tuple[str, str], ...]:
+    return OFFLOAD_PAIRS if workload == "offload" else PAIRS
 
 
 class CpuGroups:
@@ -555,15 +601,17 @@ def _stats(values: list[float]) -> tuple[float, float, float]:
 def run_workload(workload: str, args: argparse.Namespace, per_ms: dict[str, float], sink_port: int) -> dict:
     groups = CpuGroups()
     cpus = {0} if args.pin else None
-    servers = {v: Server(v, workload, per_ms, sink_port, cpus, cgroup_procs=groups.make(v)) for v in VARIANTS}
+    pairs = pairs_of(workload)
+    variants = tuple(dict.fromkeys(v for pair in pairs for v in pair))
+    servers = {v: Server(v, workload, per_ms, sink_port, cpus, cgroup_procs=groups.make(v)) for v in variants}
     rounds: list[dict[tuple[str, str], dict[str, dict[str, float]]]] = []
     try:
-        for v in VARIANTS:
+        for v in variants:
             _load(servers[v].port, 200, args.concurrency)  # warm-up
         time.sleep(1.0)
         for r in range(args.rounds):
             row = {}
-            for candidate, baseline in PAIRS[r % len(PAIRS) :] + PAIRS[: r % len(PAIRS)]:
+            for candidate, baseline in pairs[r % len(pairs) :] + pairs[: r % len(pairs)]:
                 row[(candidate, baseline)] = co_run(
                     servers[candidate], servers[baseline], args.seconds, args.concurrency
                 )
@@ -592,7 +640,7 @@ def report(workload: str, result: dict, args: argparse.Namespace) -> bool:
         f"{'candidate / baseline':40} {'throughput (range)':>24} {'tree CPU a request (range)':>28} "
         f"{'candidate req/s':>15} {'tree CPU ms/req':>15}"
     )
-    for pair in PAIRS:
+    for pair in pairs_of(workload):
         t, t_lo, t_hi = per_pair(pair, lambda c, b: c["rps"] / b["rps"])
         c, c_lo, c_hi = per_pair(pair, lambda c, b: c["tree"] / b["tree"])
         rps = statistics.median(r[pair][pair[0]]["rps"] for r in rounds)
@@ -603,7 +651,7 @@ def report(workload: str, result: dict, args: argparse.Namespace) -> bool:
         )
     print("\nCPU ms a request by where it is paid, less the baseline's in the same co-run (median of the rounds)")
     print(f"{'candidate / baseline':40} " + " ".join(f"{role:>17}" for role in ROLES) + f" {'server':>9} {'tree':>9}")
-    for pair in PAIRS:
+    for pair in pairs_of(workload):
         cells = [
             statistics.median(r[pair][pair[0]][k] - r[pair][pair[1]][k] for r in rounds)
             for k in (*ROLES, "server", "tree")
@@ -615,6 +663,8 @@ def report(workload: str, result: dict, args: argparse.Namespace) -> bool:
         )
 
     hand, st = ("handwritten", "contrib-only"), ("stagetrace-contrib", "contrib-only")
+    if workload == "offload":
+        return report_offload(rounds, per_pair)
 
     def added(pair: tuple[str, str], part: str) -> float:
         """The candidate's CPU a request over its baseline's tree, as a share of the baseline's, median."""
@@ -651,6 +701,21 @@ def report(workload: str, result: dict, args: argparse.Namespace) -> bool:
         f"({every[1]:+.3f} to {every[2]:+.3f})"
     )
     return ok
+
+
+def report_offload(rounds: list[dict], per_pair: Any) -> bool:
+    """What tracing the offloaded calls costs: against the same server with pools untraced, and against the
+    hand-written spans around each call (what stagetrace's own stages would be without the offload's)."""
+    traced = ("stagetrace-contrib", "stagetrace-pools-off")
+    t = per_pair(traced, lambda c, b: c["rps"] / b["rps"])
+    added = per_pair(traced, lambda c, b: c["tree"] - b["tree"])
+    hand = per_pair(("handwritten", "contrib-only"), lambda c, b: c["tree"] - b["tree"])
+    print(
+        f"\ntracing the offloaded calls (six a request): throughput {t[0]:.3f} x the same server with pools "
+        f"untraced ({t[1]:.3f}-{t[2]:.3f}), {added[0]:+.3f} ms of tree CPU a request ({added[1]:+.3f} to "
+        f"{added[2]:+.3f}); hand-written spans around the calls add {hand[0]:+.3f} ms over contrib-only"
+    )
+    return True
 
 
 # --- instruction counts (--instructions) ------------------------------------------------------------------
@@ -789,7 +854,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=200, help="with --instructions: requests counted a variant")
     ap.add_argument("--concurrency", type=int, default=8, help="clients a server")
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--workload", choices=("gil-free", "gil-bound", "both"), default="both")
+    ap.add_argument("--workload", choices=("gil-free", "gil-bound", "both", "offload"), default="both")
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="servers and clients share every CPU")
     ap.add_argument(
         "--instructions",
