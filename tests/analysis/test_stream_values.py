@@ -140,13 +140,13 @@ def test_a_single_chunk_stream_is_judged_by_its_first_chunk_alone():
     assert judge_phases(summary(gap_p99_ms=None), StreamThresholds(100.0, 0.0)).reason is None
 
 
-def test_the_headline_share_is_capped_at_the_whole_phase_and_empty_phases_have_none():
+def test_the_headline_share_is_capped_at_the_whole_phase_and_a_phase_in_no_stage_is_untracked():
     over = judge_phases(summary(first_chunk_ms=2.0, before={"prefill": 2.5}), StreamThresholds(1.0, 100.0))
     assert over.ratio == 1.0  # a stage charged more than the phase (its overlap with others) owns all of it
     exact = judge_phases(summary(first_chunk_ms=2.0, before={"prefill": 1.0}), StreamThresholds(1.0, 100.0))
     assert exact.ratio == pytest.approx(0.5)
     empty = judge_phases(summary(first_chunk_ms=2.0, before={}), StreamThresholds(1.0, 100.0))
-    assert (empty.reason, empty.bottleneck, empty.ratio) == (c.SLOW_FIRST_CHUNK, None, 0.0)
+    assert (empty.reason, empty.bottleneck, empty.ratio) == (c.SLOW_FIRST_CHUNK, c.UNTRACKED, 1.0)
     short = judge_phases(summary(first_chunk_ms=0.8, before={"prefill": 0.4}), StreamThresholds(0.5, 100.0))
     assert short.ratio == pytest.approx(0.5)  # a phase under a millisecond still has its shares
     instant = judge_phases(summary(streaming_ms=0.0, gap_p99_ms=5.0), StreamThresholds(100.0, 1.0))
