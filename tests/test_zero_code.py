@@ -100,14 +100,14 @@ def both(extra: dict[str, str], traces: tuple[str, ...], metrics: tuple[str, ...
 FILE, CONSOLE, COLLECTOR = "file", "console", "collector"
 DISTRO_CASES = [
     *both({}, (FILE,), (FILE,), "nothing chosen", fast=True),
-    *both({"OTEL_TRACES_EXPORTER": "file"}, (FILE,), (FILE,), "file", fast=True),
+    *both({"OTEL_TRACES_EXPORTER": "file"}, (FILE,), (FILE,), "file"),
     *both({"OTEL_TRACES_EXPORTER": "none"}, (), (), "none"),
     *both({"OTEL_TRACES_EXPORTER": "console"}, (CONSOLE,), (), "console"),
     *both({"OTEL_TRACES_EXPORTER": "otlp"}, (COLLECTOR,), (), "otlp"),
-    *both({"OTEL_TRACES_EXPORTER": "file,console"}, (FILE, CONSOLE), (FILE,), "file+console", fast=True),
+    *both({"OTEL_TRACES_EXPORTER": "file,console"}, (FILE, CONSOLE), (FILE,), "file+console"),
     *both({"OTEL_METRICS_EXPORTER": "file"}, (FILE,), (FILE,), "metrics file"),
     *both({"OTEL_METRICS_EXPORTER": "none"}, (FILE,), (), "metrics none"),
-    *both({"OTEL_METRICS_EXPORTER": "console"}, (FILE,), (CONSOLE,), "metrics console", fast=True),
+    *both({"OTEL_METRICS_EXPORTER": "console"}, (FILE,), (CONSOLE,), "metrics console"),
     *both({"OTEL_METRICS_EXPORTER": "otlp"}, (FILE,), (COLLECTOR,), "metrics otlp"),
 ]
 
