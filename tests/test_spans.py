@@ -70,6 +70,17 @@ def wait_with(**batch):
 BASE_BATCH = dict(id="b1", size=3, items=7, member_index=1, member_items=2, max_size=0)
 
 
+@pytest.mark.parametrize(
+    "error", ["ValueError", ("ValueError", "m"), ("ValueError", "m", 3), ["ValueError", "m", "tb"]]
+)
+def test_a_stage_record_whose_error_is_not_type_message_and_traceback_is_malformed(error):
+    """Read as such where the record is read (the whole trace skipped and counted), not half-way through building
+    its spans after its verdict was counted."""
+    with pytest.raises(ValueError, match="error must be"):
+        record(error=error)
+    assert record(error=("ValueError", "m", "tb")).error == ("ValueError", "m", "tb")
+
+
 def test_batch_attributes_of_a_wait_carry_its_split_rounded_to_microseconds():
     attrs = sp.batch_attributes(wait_with(formation_ms=1.23456, busy_ms=2.34567))
     assert attrs == {

@@ -129,6 +129,8 @@ class ShippedStage:
             self.offload = offload_fields(self.offload)
         if self.worker_pid is not None and type(self.worker_pid) is not int:
             raise ValueError("a stage record's worker pid must be an int")
+        if self.error is not None and not _is_error(self.error):
+            raise ValueError("a stage record's error must be (type, message, traceback) strings")
         self.cpu_ms = self.runqueue_ms = self.blocked_ms = self.not_gil_ms = None
         self.others_runqueue_ms = self.others_cpu_ms = None
 
@@ -150,6 +152,10 @@ class ShippedStage:
 
     def __repr__(self) -> str:
         return f"ShippedStage({self.name!r}, kind={self.kind!r})"
+
+
+def _is_error(value: Any) -> bool:
+    return type(value) is tuple and len(value) == 3 and all(type(part) is str for part in value)
 
 
 _SPAN_ID_FIELD, _EXAMPLE_FIELD = STAGE_FIELDS.index("span_id"), STAGE_FIELDS.index("example")
