@@ -248,7 +248,10 @@ def build() -> dict:
             unit="short",
             stacked=True,
             bars=True,
-            description="Traces per second on which each rule fired. The advice is in each trace's root span.",
+            description="Traces per second on which each rule fired. The advice is in each trace's root span. "
+            "Past the exporter's CPU budget (Settings.exporter_cpu_budget) the rules run on a share of traces and "
+            "each diagnosed trace adds 1 / its chance of being diagnosed: the series are then estimates (the "
+            "panel 'Traces diagnosed' says how large a share).",
         ),
         panel(
             11,
@@ -401,6 +404,23 @@ def build() -> dict:
             unit="bytes",
             description="What each call sends its worker (its arguments) and gets back (its result). Megabytes "
             "a call: IPC_BOUND (send encoded bytes, paths or shared memory).",
+        ),
+        panel(
+            21,
+            "Traces diagnosed (share of all traces)",
+            "timeseries",
+            (0, 70, 12, 8),
+            [
+                target(
+                    f"sum(rate(stagetrace_traces_diagnosed_total{{{SVC}}}[{RATE}])) / "
+                    f"sum(rate({TRACE}_count{{{SVC}}}[{RATE}]))",
+                    "diagnosed",
+                )
+            ],
+            unit="percentunit",
+            description="The share of traces the diagnosis rules ran on: 100 % while the exporter keeps within "
+            "its CPU budget; under it, the diagnosis counts above are estimates from that share (every trace still "
+            "has its breakdown, bottleneck, slow flag and metrics, and every kept trace its diagnoses).",
         ),
     ]
     return {

@@ -121,8 +121,26 @@ def test_a_trace_observes_each_stage_its_duration_its_bottleneck_and_its_codes()
     assert m.added == [
         (c.METRIC_DIAGNOSIS, {c.DIAGNOSIS_CODE: "STREAM_CPU_BOUND"}, 1),
         (c.METRIC_DIAGNOSIS, {c.DIAGNOSIS_CODE: "X"}, 1),
+        (c.METRIC_TRACES_DIAGNOSED, {}, 1),
         (c.METRIC_BOTTLENECK, {c.STAGE: "decode"}, 1),
     ]
+    assert all(type(n) is int for _, _, n in m.added)  # every trace diagnosed: the counters stay integers
+
+
+def test_a_trace_diagnosed_as_one_of_a_share_adds_what_it_stands_for_and_one_left_undiagnosed_nothing():
+    """Past the exporter's CPU budget (OpenTelemetry's adjusted count): a trace diagnosed with a chance of 1 in
+    4 adds 4 to each code it carries and 1 to the diagnosed traces; one the rules did not run on adds to
+    neither, and still to its duration and bottleneck."""
+    sampled, undiagnosed = Recorded(), Recorded()
+    codes = (Diagnosis("STREAM_CPU_BOUND", "m", "a"),)
+    sampled.record_trace(verdict(diagnoses=codes, diagnosis_weight=4.0, diagnosis_sample_rate=0.25), exemplar=None)
+    assert sampled.added[:2] == [
+        (c.METRIC_DIAGNOSIS, {c.DIAGNOSIS_CODE: "STREAM_CPU_BOUND"}, 4.0),
+        (c.METRIC_TRACES_DIAGNOSED, {}, 1),
+    ]
+    undiagnosed.record_trace(verdict(diagnosed=False, diagnosis_weight=0.0, diagnosis_sample_rate=0.25), exemplar=None)
+    assert [name for name, _, _ in undiagnosed.added] == [c.METRIC_BOTTLENECK]
+    assert undiagnosed.values(c.METRIC_TRACE_DURATION) != []
 
 
 def test_a_healthy_trace_without_a_route_and_an_untracked_headline():
@@ -130,7 +148,8 @@ def test_a_healthy_trace_without_a_route_and_an_untracked_headline():
     m.record_trace(verdict(route=None, bottleneck=c.UNTRACKED, stage_kinds={}), None)
     assert m.values(c.METRIC_TRACE_DURATION) == [({c.SLOW: False}, 1250.0)]
     assert m.values(c.METRIC_STAGE_DURATION)[0][0] == {c.STAGE: "prefill", c.STAGE_KIND: "cpu"}  # kind unknown: cpu
-    assert m.added == [(c.METRIC_BOTTLENECK, {c.STAGE: c.UNTRACKED}, 1)]  # untracked is never capped away
+    # diagnosed, with nothing found; untracked is never capped away
+    assert m.added == [(c.METRIC_TRACES_DIAGNOSED, {}, 1), (c.METRIC_BOTTLENECK, {c.STAGE: c.UNTRACKED}, 1)]
     m.record_trace(verdict(slow=True, slow_reason=None), None)  # a slow verdict from before the reasons
     assert m.values(c.METRIC_TRACE_DURATION)[-1][0][c.SLOW_REASON] == c.SLOW_TOTAL
 

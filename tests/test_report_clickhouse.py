@@ -476,12 +476,14 @@ def test_a_missing_extra_names_the_install_command(monkeypatch, tmp_path):
     assert rc == 2 and "pip install 'stagetrace[clickhouse]'" in err
 
 
-def sampled_root(trace: str, total_ms: float, weight: float, codes=()) -> str:
-    """A kept trace with its stored verdict, standing for ``weight`` requests."""
+def sampled_root(trace: str, total_ms: float, weight: float, codes=(), diagnosis_rate: float | None = None) -> str:
+    """A kept trace with its stored verdict, standing for ``weight`` requests (``diagnosis_rate``: the share of
+    traces the exporter was diagnosing when it was kept)."""
     attrs = {
         c.TOTAL_MS: total_ms, c.SLOW: total_ms > 200, c.STAGES: ["work"], c.STAGES_MS: [total_ms],
         c.BOTTLENECK_STAGE: "work", c.BOTTLENECK_RATIO: 1.0, c.SAMPLING_ADJUSTED_COUNT: weight,
         **({c.DIAGNOSIS: list(codes)} if codes else {}),
+        **({c.DIAGNOSIS_SAMPLE_RATE: diagnosis_rate} if diagnosis_rate is not None else {}),
         **({c.SLOW_REASON: c.SLOW_GAP} if total_ms > 200 else {}),  # a stream slow by its gaps, say
     }  # fmt: skip
     root = span(trace, "a" * 16, "", "GET /p", 0, total_ms, attrs, kind=2)
@@ -491,8 +493,8 @@ def sampled_root(trace: str, total_ms: float, weight: float, codes=()) -> str:
 def test_sampled_traces_are_weighted_in_clickhouse_as_in_the_files(tmp_path):
     """Each stored verdict's adjusted count weighs its facts in the SQL as ``Aggregator.add`` weighs them: the
     same requests, slow requests, shares, diagnoses and quantiles."""
-    lines = [sampled_root(f"{i:032x}", 1.0 + i / 100, 10.0) for i in range(1, 4)]
-    lines += [sampled_root(f"{i:032x}", 300.0, 2.0, codes=("QUEUEING",)) for i in range(4, 6)]
+    lines = [sampled_root(f"{i:032x}", 1.0 + i / 100, 10.0, diagnosis_rate=1.0) for i in range(1, 4)]
+    lines += [sampled_root(f"{i:032x}", 300.0, 2.0, codes=("QUEUEING",), diagnosis_rate=0.5 - i / 20) for i in (4, 5)]
     (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
     load(tmp_path / "db", lines)
     files = file_report([str(tmp_path / "t.jsonl")])
@@ -502,4 +504,5 @@ def test_sampled_traces_are_weighted_in_clickhouse_as_in_the_files(tmp_path):
     assert files["diagnoses"] == {"QUEUEING": 4} and files["stages"]["work"]["bottleneck_traces"] == 34
     assert files["slow_reasons"] == {c.SLOW_GAP: 4}
     assert files["total_ms"]["p50"] < 2.0 < files["total_ms"]["p95"]  # 30 of the 34 requests took ~1 ms
+    assert files["diagnosis_sample_rate"] == ch["diagnosis_sample_rate"] == 0.25  # the least: estimates
     assert_same_report(files, ch)

@@ -92,6 +92,9 @@ REQUESTS_IN_FLIGHT = "stagetrace.process.requests_in_flight"  # traces in flight
 # how many traces a kept root stands for (the healthy share's 1/p, and the traces of its signature the export
 # budget left out since the previous kept one): stagetrace report weights counts and percentiles by it
 SAMPLING_ADJUSTED_COUNT = "stagetrace.sampling.adjusted_count"
+# the share of traces the exporter was diagnosing when this one was kept (below 1 past its CPU budget:
+# exporter/diagnosis_budget.py); the diagnosis counter's sums are then estimates
+DIAGNOSIS_SAMPLE_RATE = "stagetrace.diagnosis.sample_rate"
 
 # --- span events -----------------------------------------------------------------------------------------
 DIAGNOSIS_EVENT = "stagetrace.diagnosis"
@@ -106,6 +109,7 @@ METRIC_STAGE_DURATION = "stagetrace.stage.duration"
 METRIC_TRACE_DURATION = "stagetrace.trace.duration"
 METRIC_BOTTLENECK = "stagetrace.bottleneck"
 METRIC_DIAGNOSIS = "stagetrace.diagnosis"
+METRIC_TRACES_DIAGNOSED = "stagetrace.traces.diagnosed"
 METRIC_GPU_UTILIZATION = "stagetrace.gpu.utilization"
 METRIC_DROPPED = "stagetrace.dropped"
 METRIC_BATCH_SIZE = "stagetrace.batch.size"
@@ -231,6 +235,7 @@ VERDICT_FIELDS: tuple[tuple[str, str, type, int | None], ...] = (
     ("process_cpus_used", PROCESS_CPUS_USED, float, 3),
     ("process_runnable", PROCESS_RUNNABLE, float, 3),
     ("requests_in_flight", REQUESTS_IN_FLIGHT, float, 2),
+    ("diagnosis_sample_rate", DIAGNOSIS_SAMPLE_RATE, float, 4),
 )
 
 # The headline's name for time in no stage, when it exceeds every stage (stagetrace.bottleneck.stage and the
@@ -490,8 +495,18 @@ ATTRIBUTE_REFERENCE: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
         "double",
         ("root",),
         "how many traces this kept trace stands for: 1 / the healthy share for a healthy sample (else 1), plus "
-        "the adjusted counts of the traces of its signature the export budget left out since the previous one "
-        "kept; `stagetrace report` weights its counts and percentiles by it",
+        "the adjusted counts of the traces of its kind (route, bottleneck) kept for the same reason that the "
+        "export budget left out since the previous one kept; `stagetrace report` weights its counts and "
+        "percentiles by it",
+    ),
+    (
+        DIAGNOSIS_SAMPLE_RATE,
+        "double",
+        ("root",),
+        "the share of traces the exporter was diagnosing when this one was kept: 1 within its CPU budget "
+        "(`Settings.exporter_cpu_budget`), less past it, when the `stagetrace.diagnosis` counter's sums are "
+        "estimates (each diagnosed trace adds 1 / its chance of being diagnosed); a kept trace is always "
+        "diagnosed",
     ),
     (
         ROOT_SHIFTED_MS,
@@ -566,6 +581,7 @@ METRIC_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     METRIC_TRACE_DURATION: (HTTP_ROUTE, SLOW, SLOW_REASON),
     METRIC_BOTTLENECK: (STAGE,),
     METRIC_DIAGNOSIS: (DIAGNOSIS_CODE,),
+    METRIC_TRACES_DIAGNOSED: (),
     METRIC_GPU_UTILIZATION: (HW_ID,),
     METRIC_DROPPED: (DROP_REASON,),
     METRIC_BATCH_SIZE: (STAGE,),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from stagetrace.analysis.breakdown import TraceAnalysis
 from stagetrace.analysis.diagnosis import Diagnosis
@@ -57,6 +57,12 @@ class Verdict:
     process_cpus_used: float | None = None
     process_runnable: float | None = None
     requests_in_flight: float | None = None
+    # Whether the diagnosis rules ran on it (past the exporter's CPU budget, on a share of traces:
+    # ``exporter/diagnosis_budget.py``), how many traces its diagnoses count for in the diagnosis counter (1 /
+    # its chance of being diagnosed; 0 where they did not run), and the share of traces diagnosed at the time.
+    diagnosed: bool = True
+    diagnosis_weight: float = 1.0
+    diagnosis_sample_rate: float = 1.0
 
     @property
     def bottleneck_ms(self) -> float:
@@ -70,17 +76,75 @@ class Verdict:
 
     @property
     def slowness(self) -> float:
-        """How far past its threshold the phase that judges the trace went (1.0: at it): the total over the
-        slow threshold for a response, and for a stream judged by its phases the larger of its first chunk over
-        that threshold and its gaps' p99 over theirs. What ranks traces by how slow their clients found them:
-        a 20 s stream that flowed at a healthy pace ranks under a 3 s one whose gaps stalled, however long it
-        lasted. A threshold under 1 ms counts as 1 ms."""
-        stream = self.stream
-        if stream is not None and self.first_chunk_threshold_ms is not None and self.gap_threshold_ms is not None:
-            first = stream.first_chunk_ms / max(self.first_chunk_threshold_ms, 1.0)
-            gaps = (stream.gap_p99_ms or 0.0) / max(self.gap_threshold_ms, 1.0)
-            return max(first, gaps)
-        return self.total_ms / max(self.slow_threshold_ms, 1.0)
+        """How far past its threshold the phase that judges the trace went (``slowness``)."""
+        return slowness(self.total_ms, self.slow_threshold_ms, self.stream, self.first_chunk_threshold_ms,
+                        self.gap_threshold_ms)  # fmt: skip
+
+
+def slowness(
+    total_ms: float,
+    slow_threshold_ms: float,
+    stream: StreamSummary | None,
+    first_chunk_threshold_ms: float | None,
+    gap_threshold_ms: float | None,
+) -> float:
+    """How far past its threshold the phase that judges a trace went (1.0: at it): the total over the slow
+    threshold for a response, and for a stream judged by its phases the larger of its first chunk over that
+    threshold and its gaps' p99 over theirs. What ranks traces by how slow their clients found them: a 20 s
+    stream that flowed at a healthy pace ranks under a 3 s one whose gaps stalled, however long it lasted. A
+    threshold under 1 ms counts as 1 ms."""
+    if stream is not None and first_chunk_threshold_ms is not None and gap_threshold_ms is not None:
+        first = stream.first_chunk_ms / max(first_chunk_threshold_ms, 1.0)
+        gaps = (stream.gap_p99_ms or 0.0) / max(gap_threshold_ms, 1.0)
+        return max(first, gaps)
+    return total_ms / max(slow_threshold_ms, 1.0)
+
+
+class Judgement(NamedTuple):
+    """A trace judged before its diagnosis (``judge``): whether it was slow and why, how far past its threshold
+    (``slowness``), its headline, and a stream's thresholds. What the keep decision needs first."""
+
+    slow: bool
+    reason: str | None
+    slowness: float
+    bottleneck: str | None
+    ratio: float
+    first_chunk_threshold_ms: float | None
+    gap_threshold_ms: float | None
+
+
+def judge(
+    analysis: TraceAnalysis, stream: StreamSummary | None, stream_thresholds: StreamThresholds | None
+) -> Judgement:
+    """``stream_thresholds``: how a streamed response (``stream``) is judged slow, by its phases and not its
+    length; without them, or for a response not streamed, by its total (``analysis.slow``)."""
+    bottleneck, ratio = analysis.bottleneck, analysis.ratio
+    if stream is not None and stream_thresholds is not None:
+        phases = judge_phases(stream, stream_thresholds)
+        if phases.bottleneck is not None:
+            bottleneck, ratio = phases.bottleneck, phases.ratio
+        first, gap = stream_thresholds.first_chunk_ms, stream_thresholds.gap_ms
+        how_slow = slowness(analysis.total_ms, analysis.slow_threshold_ms, stream, first, gap)
+        return Judgement(phases.reason is not None, phases.reason, how_slow, bottleneck, ratio, first, gap)
+    how_slow = slowness(analysis.total_ms, analysis.slow_threshold_ms, None, None, None)
+    reason = SLOW_TOTAL if analysis.slow else None
+    return Judgement(analysis.slow, reason, how_slow, bottleneck, ratio, None, None)
+
+
+class DiagnosisChoice(NamedTuple):
+    """How a trace's diagnosis was chosen (``exporter/diagnosis_budget.py``): what its diagnoses count for in the
+    diagnosis counter (1 / its chance of being diagnosed; 0: the rules did not run on it), and the share of
+    traces diagnosed at the time."""
+
+    weight: float
+    share: float
+
+    @property
+    def diagnosed(self) -> bool:
+        return self.weight > 0
+
+
+EVERY_TRACE = DiagnosisChoice(1.0, 1.0)
 
 
 def build_verdict(
@@ -96,32 +160,26 @@ def build_verdict(
     gen_ai: Mapping[str, Any] | None = None,
     stream_thresholds: StreamThresholds | None = None,
     offloads: tuple[OffloadedCall, ...] = (),
+    judged: Judgement | None = None,
+    diagnosis: DiagnosisChoice = EVERY_TRACE,
 ) -> Verdict:
-    """``stream_thresholds``: how a streamed response (``signals.stream``) is judged slow, by its phases and
-    not its length; without them, or for a response not streamed, by its total (``analysis.slow``)."""
+    """``stream_thresholds``: how a streamed response (``signals.stream``) is judged slow (``judge``; ``judged``
+    where the caller judged it already). ``diagnosis``: how its diagnosis was chosen (``diagnoses`` empty where
+    the rules did not run on it)."""
     stream = signals.stream if signals else None
-    bottleneck, ratio = analysis.bottleneck, analysis.ratio
-    if stream is not None and stream_thresholds is not None:
-        phases = judge_phases(stream, stream_thresholds)
-        slow, reason = phases.reason is not None, phases.reason
-        if phases.bottleneck is not None:
-            bottleneck, ratio = phases.bottleneck, phases.ratio
-        thresholds: dict[str, Any] = {
-            "first_chunk_threshold_ms": stream_thresholds.first_chunk_ms,
-            "gap_threshold_ms": stream_thresholds.gap_ms,
-        }
-    else:
-        slow, reason, thresholds = analysis.slow, (SLOW_TOTAL if analysis.slow else None), {}
+    if judged is None:
+        judged = judge(analysis, stream, stream_thresholds)
     return Verdict(
         trace_id=trace_id,
         root_name=root_name,
         total_ms=analysis.total_ms,
         breakdown=analysis.breakdown,
-        bottleneck=bottleneck,
-        ratio=ratio,
-        slow=slow,
-        slow_reason=reason,
-        **thresholds,
+        bottleneck=judged.bottleneck,
+        ratio=judged.ratio,
+        slow=judged.slow,
+        slow_reason=judged.reason,
+        first_chunk_threshold_ms=judged.first_chunk_threshold_ms,
+        gap_threshold_ms=judged.gap_threshold_ms,
         slow_threshold_ms=analysis.slow_threshold_ms,
         untracked_ms=analysis.untracked_ms,
         diagnoses=diagnoses,
@@ -138,6 +196,9 @@ def build_verdict(
         stream=stream,
         gen_ai=gen_ai or None,
         offloads=offloads,
+        diagnosed=diagnosis.diagnosed,
+        diagnosis_weight=diagnosis.weight,
+        diagnosis_sample_rate=diagnosis.share,
         **_load_fields(signals.load if signals else None),
     )
 

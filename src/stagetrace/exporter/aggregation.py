@@ -128,7 +128,7 @@ class MetricStore:
         if histogram.max_ms > h.max:
             h.max = histogram.max_ms
 
-    def add(self, inst: Instrument, key: Key, amount: int) -> None:
+    def add(self, inst: Instrument, key: Key, amount: float) -> None:
         table = self.points[inst.name]
         n = table.get(key)
         if n is None:
@@ -256,7 +256,7 @@ class AggregatedMetrics(ContractMetrics):
             for store in self._stores:
                 store.observe(instrument, key, value, exemplar)
 
-    def _add(self, instrument: Instrument, key: Key, amount: int) -> None:
+    def _add(self, instrument: Instrument, key: Key, amount: float) -> None:
         with self._lock:
             for store in self._stores:
                 store.add(instrument, key, amount)

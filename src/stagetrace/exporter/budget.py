@@ -119,6 +119,20 @@ class ExportBudget:
         bucket.tokens -= 1.0
         return keep
 
+    def may_admit(self, keep: Keep, now: float) -> bool:
+        """Whether ``admit`` could keep a trace kept for ``keep`` now, before its signature is known (it holds
+        the diagnosis codes): the global bucket has a token for its priority. What the exporter's diagnosis
+        budget asks of a trace it may leave undiagnosed (every kept trace carries its diagnoses); a trace
+        that would have been the slowest of its signature's minute with the bucket empty is kept only where
+        it was diagnosed anyway."""
+        if not keep.kept:
+            return False
+        if self.limits.per_s is None:
+            return True
+        bucket = self.global_bucket
+        bucket.refill(now)
+        return bucket.tokens >= 1.0 + _RESERVE.get(keep, 0.5) * self.limits.burst
+
     def _state(self, signature: Signature, now: float) -> _SignatureState:
         state = self._signatures.get(signature)
         if state is None:
@@ -143,7 +157,8 @@ class ExportBudget:
         return False
 
 
-Stratum = tuple[Signature, Keep]  # a signature and why a trace of it was worth keeping
+Kind = tuple[str, str]  # route or root name, bottleneck stage: a signature without its diagnosis codes
+Stratum = tuple[Kind, Keep]  # a kind of trace and why a trace of it was worth keeping
 
 
 class AdjustedCounts:
@@ -151,9 +166,11 @@ class AdjustedCounts:
     every request's (OpenTelemetry's adjusted count). A trace's own weight is 1, or 1 / the healthy share
     for a healthy sample (kept with that probability, on its trace id). The budget is a token bucket, not a
     coin: a trace it leaves out had no probability of its own, so it hands its weight to the next kept trace
-    of its *stratum*, its signature and the reason it was worth keeping (slow, diagnosed, errored, a healthy
-    sample), which then stands for both. A slow trace left out is carried by the next slow one of its kind,
-    never by a healthy sample of it, so the slow share and the percentiles keep the shape of every request's.
+    of its *stratum*, its kind (route or root name, bottleneck stage) and the reason it was worth keeping
+    (slow, diagnosed, errored, a healthy sample), which then stands for both. A slow trace left out is carried
+    by the next slow one of its kind, never by a healthy sample of it, so the slow share and the percentiles
+    keep the shape of every request's. (Not by its diagnosis codes: past the exporter's CPU budget a trace
+    left out may not have been diagnosed.)
     Over any run the kept traces' adjusted counts add up to every trace worth keeping but those of the last
     stretch the budget left out of each stratum. Bounded like the budget's signatures (least recently seen
     forgotten)."""
@@ -177,5 +194,9 @@ def own_weight(keep: Keep, healthy_share: float) -> float:
     return 1.0 / healthy_share if keep is Keep.HEALTHY_SAMPLE and 0.0 < healthy_share < 1.0 else 1.0
 
 
+def kind_of(root_name: str, route: str | None, bottleneck: str | None) -> Kind:
+    return (route or root_name, bottleneck or "")
+
+
 def signature_of(root_name: str, route: str | None, bottleneck: str | None, codes: tuple[str, ...]) -> Signature:
-    return (route or root_name, bottleneck or "", tuple(sorted(codes)))
+    return (*kind_of(root_name, route, bottleneck), tuple(sorted(codes)))

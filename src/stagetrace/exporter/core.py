@@ -18,19 +18,28 @@ from opentelemetry.trace import StatusCode, format_trace_id
 
 from stagetrace import conventions as c
 from stagetrace._safety import RateLimitedLog, report_internal_error
-from stagetrace.analysis import TraceSignals, Verdict, analyse_trace, build_verdict, diagnose
+from stagetrace.analysis import Diagnosis, TraceSignals, Verdict, analyse_trace, build_verdict, diagnose
 from stagetrace.analysis.causes import blocked_enough
 from stagetrace.analysis.loopwait import blocker_entry, loop_waits, request_arrival
 from stagetrace.analysis.model import CompressedInfo
 from stagetrace.analysis.offload import offload_calls
 from stagetrace.analysis.streams import summarise_stream
+from stagetrace.analysis.verdict import judge
 from stagetrace.common import wire
 from stagetrace.common.cpus import usable_cpus
 from stagetrace.exporter import signals as sig
 from stagetrace.exporter import spans as sp
-from stagetrace.exporter.budget import AdjustedCounts, BudgetLimits, ExportBudget, own_weight, signature_of
+from stagetrace.exporter.budget import AdjustedCounts, BudgetLimits, ExportBudget, kind_of, own_weight, signature_of
+from stagetrace.exporter.diagnosis_budget import CpuClocks, DiagnosisBudget
 from stagetrace.exporter.foreign import as_stage_span, foreign_kind, link_enclosing_stages, split_foreign_stages
-from stagetrace.exporter.keep import Keep, PendingBatches, RecentDecisions, decide, in_healthy_share
+from stagetrace.exporter.keep import (
+    Keep,
+    PendingBatches,
+    RecentDecisions,
+    decide,
+    decide_before_diagnosis,
+    in_healthy_share,
+)
 from stagetrace.exporter.metrics import MetricsSink, replay
 from stagetrace.exporter.offload import place_offloads
 from stagetrace.settings import (
@@ -102,10 +111,27 @@ class Outputs(Protocol):
 _ERROR = StatusCode.ERROR.value
 
 
+def thread_clocks() -> CpuClocks:
+    """The exporter on a thread of the application (``STAGETRACE_EXPORT_PROCESS=off``): its thread's CPU, and
+    the application process's."""
+    return CpuClocks(time.thread_time(), time.process_time())
+
+
 class ExporterCore:
-    def __init__(self, settings: Settings, outputs: Outputs) -> None:
+    """``clocks``: the exporter's CPU and the application's so far, for the exporter's CPU budget (the exporter
+    process passes its own and its parent's); ``diagnosis_clock_ns``: the CPU clock a diagnosis is timed on."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        outputs: Outputs,
+        clocks: Callable[[], CpuClocks] = thread_clocks,
+        diagnosis_clock_ns: Callable[[], int] = time.thread_time_ns,
+    ) -> None:
         self.settings = settings
         self.outputs = outputs
+        self._clocks = clocks
+        self._diagnosis_clock_ns = diagnosis_clock_ns
         self.metrics = outputs.metrics
         self.series = {name: sig.LagSeries() for name in sig.SERIES}
         self.loop_blocks = sig.LoopBlockSeries()
@@ -114,6 +140,9 @@ class ExporterCore:
         self.batches = PendingBatches(self.decisions, settings.batch_keep_wait_s, settings.max_pending_batches)
         self.budget = ExportBudget(BudgetLimits.from_settings(settings), time.monotonic())
         self.adjusted = AdjustedCounts(settings.max_budget_signatures)
+        self.diagnosis_budget = DiagnosisBudget(
+            settings.exporter_cpu_budget, time.monotonic(), clocks(), max_kinds=settings.max_budget_signatures
+        )
         self._new_span_id = random.Random().getrandbits  # ids for spans the exporter adds (link chunks)
         self.handled = 0  # traces, stages and spans handled (acknowledged to the application)
         self._slow_log = RateLimitedLog(per_interval=settings.slow_log_per_minute, interval_s=60.0)
@@ -169,11 +198,13 @@ class ExporterCore:
 
     def tick(self, now: float) -> None:
         """Called often by whoever runs the core (at most once a second does anything): a rate-limited log's
-        window that closed with records left out says how many."""
+        window that closed with records left out says how many, and the diagnosis budget sets its share for the
+        next second."""
         if now - self._last_tick >= 1.0:
             self._last_tick = now
             self._slow_log.report_suppressed()
             self._malformed_log.report_suppressed()
+            self.diagnosis_budget.tick(now, self._clocks())
 
     def _export(self, spans: Sequence[wire.WireSpan]) -> None:
         if spans:
@@ -231,31 +262,47 @@ class ExporterCore:
         if t.stream is not None:
             stream = summarise_stream(root_start - offset, t.stream, analysed, analysis.charged_ms)
             signals = signals._replace(stream=stream)
-        verdict = build_verdict(
-            trace_id=format_trace_id(trace_id),
-            root_name=root.name,
-            analysis=analysis,
-            diagnoses=diagnose(analysis, analysed, signals, self.settings.thresholds),
-            route=route,
-            signals=signals,
-            sampled=bool(t.flags & 1),
-            delayed_requests=_delayed_requests(analysed),
-            gen_ai=generative(t.gen_ai, attrs),
-            stream_thresholds=self.settings.stream_thresholds_for(route) if t.stream is not None else None,
-            offloads=tuple(offload_calls(analysed)),
-        )
+        judged = judge(analysis, signals.stream, self.settings.stream_thresholds_for(route) if t.stream else None)
         errored = (
             root.status_code == _ERROR
             or any(st.error for st in analysed)
             or any(o.status_code == _ERROR for o in others)
         )
-        share = self.settings.healthy_sample
+        share, sampled, now = self.settings.healthy_sample, bool(t.flags & 1), time.monotonic()
+        # Diagnosed within the exporter's CPU budget; past it, a share (every trace the budget may keep among it).
+        undiagnosed = decide_before_diagnosis(
+            sampled=sampled, errored=errored, slow=judged.slow, healthy_share=share, trace_id=trace_id
+        )
+        kind = kind_of(root.name, route, judged.bottleneck)
+        choice = self.diagnosis_budget.choose(kind, trace_id, kept=self.budget.may_admit(undiagnosed, now))
+        diagnoses: tuple[Diagnosis, ...] = ()
+        if choice.diagnosed:
+            started = self._diagnosis_clock_ns()
+            diagnoses = diagnose(analysis, analysed, signals, self.settings.thresholds)
+            self.diagnosis_budget.spent(self._diagnosis_clock_ns() - started)
+        verdict = build_verdict(
+            trace_id=format_trace_id(trace_id),
+            root_name=root.name,
+            analysis=analysis,
+            diagnoses=diagnoses,
+            route=route,
+            signals=signals,
+            sampled=sampled,
+            delayed_requests=_delayed_requests(analysed),
+            gen_ai=generative(t.gen_ai, attrs),
+            offloads=tuple(offload_calls(analysed)),
+            judged=judged,
+            diagnosis=choice,
+        )
         keep = decide(verdict, errored=errored, healthy_share=share, trace_id=trace_id)
         adjusted_count = 1.0
         if keep.kept:
             signature = signature_of(verdict.root_name, route, verdict.bottleneck, verdict.diagnosis_codes)
-            weight, stratum = own_weight(keep, share), (signature, keep)
-            keep = self.budget.admit(keep, signature, verdict.slowness, time.monotonic())
+            # kept for its diagnoses, it stands for the traces its chance of being diagnosed stood for too
+            weight = own_weight(keep, share) * (choice.weight if keep is Keep.DIAGNOSED else 1.0)
+            stratum = (kind, keep)
+            # a trace left undiagnosed is never kept: it was one the budget had no token for
+            keep = self.budget.admit(keep, signature, judged.slowness, now) if choice.diagnosed else Keep.BUDGET
             if keep is Keep.BUDGET:
                 self.metrics.dropped("budget")
                 self.adjusted.left_out(stratum, weight)

@@ -47,18 +47,26 @@ def in_healthy_share(trace_id: int, share: float) -> bool:
     return mixed < int(share * (1 << 64))
 
 
-def decide(verdict: Verdict, *, errored: bool, healthy_share: float, trace_id: int) -> Keep:
-    if not verdict.sampled:
+def decide_before_diagnosis(*, sampled: bool, errored: bool, slow: bool, healthy_share: float, trace_id: int) -> Keep:
+    """Why a trace is worth keeping before its diagnosis runs (``DROPPED`` where only a diagnosis could keep it):
+    what the exporter's diagnosis budget asks of a trace it may leave undiagnosed."""
+    if not sampled:
         return Keep.UNSAMPLED
     if errored:  # first: the export budget rations errors last (``exporter/budget.py``)
         return Keep.ERROR
-    if verdict.slow:
+    if slow:
         return Keep.SLOW
-    if verdict.diagnoses:
-        return Keep.DIAGNOSED
     if in_healthy_share(trace_id, healthy_share):
         return Keep.HEALTHY_SAMPLE
     return Keep.DROPPED
+
+
+def decide(verdict: Verdict, *, errored: bool, healthy_share: float, trace_id: int) -> Keep:
+    if verdict.diagnoses and verdict.sampled and not errored and not verdict.slow:
+        return Keep.DIAGNOSED
+    return decide_before_diagnosis(
+        sampled=verdict.sampled, errored=errored, slow=verdict.slow, healthy_share=healthy_share, trace_id=trace_id
+    )
 
 
 class RecentDecisions:

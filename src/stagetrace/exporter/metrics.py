@@ -50,7 +50,7 @@ class Instrument:
 
 
 Observation = tuple[Instrument, Key, float, "Exemplar | None"]  # a histogram's value, with its exemplar
-Addition = tuple[Instrument, Key, int]  # a counter's increment
+Addition = tuple[Instrument, Key, float]  # a counter's increment (an int where it counts traces one by one)
 Merge = tuple[Instrument, Key, GapHistogram]  # many values at once, counted on the instrument's own buckets
 
 
@@ -63,7 +63,16 @@ STAGE_DURATION = Instrument(
 )
 TRACE_DURATION = Instrument(c.METRIC_TRACE_DURATION, "histogram", "ms", "Duration of a trace's local root", MS_BUCKETS)
 BOTTLENECK = Instrument(c.METRIC_BOTTLENECK, "counter", "{trace}", "Traces whose bottleneck was this stage")
-DIAGNOSIS = Instrument(c.METRIC_DIAGNOSIS, "counter", "{trace}", "Traces on which a diagnosis rule fired")
+DIAGNOSIS = Instrument(
+    c.METRIC_DIAGNOSIS,
+    "counter",
+    "{trace}",
+    "Traces on which a diagnosis rule fired (each diagnosed trace adds what it stands for: 1 / its chance of "
+    "being diagnosed)",
+)
+TRACES_DIAGNOSED = Instrument(
+    c.METRIC_TRACES_DIAGNOSED, "counter", "{trace}", "Traces the diagnosis rules ran on (all of them within budget)"
+)
 DROPPED = Instrument(c.METRIC_DROPPED, "counter", "{item}", "Items stagetrace dropped to stay within its bounds")
 GPU_UTILIZATION = Instrument(c.METRIC_GPU_UTILIZATION, "gauge", "1", "GPU utilisation sampled through NVML")
 BATCH_SIZE = Instrument(
@@ -122,6 +131,7 @@ INSTRUMENTS = (
     TRACE_DURATION,
     BOTTLENECK,
     DIAGNOSIS,
+    TRACES_DIAGNOSED,
     DROPPED,
     GPU_UTILIZATION,
     BATCH_SIZE,
@@ -161,7 +171,7 @@ class ContractMetrics:
     def _observe(self, instrument: Instrument, key: Key, value: float, exemplar: Exemplar | None) -> None:
         raise NotImplementedError
 
-    def _add(self, instrument: Instrument, key: Key, amount: int) -> None:
+    def _add(self, instrument: Instrument, key: Key, amount: float) -> None:
         raise NotImplementedError
 
     def _set(self, instrument: Instrument, key: Key, value: float) -> None:
@@ -231,7 +241,12 @@ class ContractMetrics:
         slow: Key = ((c.SLOW, True), (c.SLOW_REASON, verdict.slow_reason or c.SLOW_TOTAL)) if verdict.slow else _HEALTHY
         trace_key: Key = (*slow, (c.HTTP_ROUTE, route)) if route else slow
         observations.append((TRACE_DURATION, trace_key, verdict.total_ms, exemplar))
-        additions: list[Addition] = [(DIAGNOSIS, ((c.DIAGNOSIS_CODE, d.code),), 1) for d in verdict.diagnoses]
+        additions: list[Addition] = []
+        if verdict.diagnosed:
+            weight = verdict.diagnosis_weight
+            stands_for = 1 if weight == 1.0 else weight  # an int while every trace is diagnosed
+            additions = [(DIAGNOSIS, ((c.DIAGNOSIS_CODE, d.code),), stands_for) for d in verdict.diagnoses]
+            additions.append((TRACES_DIAGNOSED, (), 1))
         if bottleneck is not None:
             label = bottleneck if bottleneck == c.UNTRACKED else self._stage_label(bottleneck)
             additions.append((BOTTLENECK, ((c.STAGE, label),), 1))
@@ -357,7 +372,7 @@ class SdkInstruments(ContractMetrics):
                 self._last_exemplar = (exemplar, ctx)
         self._instruments[instrument.name].record(value, self._attrs(key), context=ctx)
 
-    def _add(self, instrument: Instrument, key: Key, amount: int) -> None:
+    def _add(self, instrument: Instrument, key: Key, amount: float) -> None:
         self._instruments[instrument.name].add(amount, self._attrs(key))
 
     def _set(self, instrument: Instrument, key: Key, value: float) -> None:

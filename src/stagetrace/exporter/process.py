@@ -38,6 +38,7 @@ from stagetrace.destinations.env import Selection, metric_readers, span_exporter
 from stagetrace.destinations.shutdown import shutdown_within
 from stagetrace.exporter.aggregation import AggregatedMetrics
 from stagetrace.exporter.core import ExporterCore
+from stagetrace.exporter.diagnosis_budget import CpuClocks
 from stagetrace.exporter.metrics import MetricsRecorder, MetricsSink, TeeMetrics
 from stagetrace.exporter.otlp_encoding import TraceRequestEncoder
 from stagetrace.exporter.otlp_sink import WireBatchSink
@@ -171,7 +172,7 @@ class Exporter:
             verdicts=bool(config["return_verdicts"]),
             metrics=bool(config["return_metrics"]),
         )
-        self.core = ExporterCore(self.settings, self.outputs)
+        self.core = ExporterCore(self.settings, self.outputs, clocks=ProcessClocks(os.getppid()))
 
     def _dropped(self, reason: str, count: int) -> None:
         self.outputs.metrics.dropped(reason, count)  # here and, when asked, in the application
@@ -222,6 +223,26 @@ def _read_config(fd: int, reader: FrameReader) -> dict[str, Any]:
                 raise SystemExit("stagetrace exporter: the first message must be the configuration")
             config["_early_batches"] = payloads[1:]  # batches that arrived with the configuration
             return config
+
+
+class ProcessClocks:
+    """The exporter process's CPU and its application's (the parent's ``/proc/<pid>/stat``, in clock ticks: to
+    10 ms, read once a second for the exporter's CPU budget). 0 for the application where it cannot be read:
+    the budget then holds at its floor."""
+
+    _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+    def __init__(self, application_pid: int) -> None:
+        self._stat = f"/proc/{application_pid}/stat"
+
+    def __call__(self) -> CpuClocks:
+        try:
+            with open(self._stat, "rb") as fh:
+                fields = fh.read().rsplit(b")", 1)[1].split()
+            application_s = (int(fields[11]) + int(fields[12])) * self._TICK_S  # utime, stime
+        except (OSError, ValueError, IndexError):
+            application_s = 0.0
+        return CpuClocks(time.process_time(), application_s)
 
 
 def serve(in_fd: int, out_fd: int) -> int:

@@ -246,6 +246,9 @@ class Aggregator:
         self.batch_waits: dict[str, BatchWaitSummary] = {}
         self.streams = StreamsSummary()
         self.offloads: dict[str, OffloadSummary] = {}  # by function handed to a process pool
+        # the least share of traces the exporter was diagnosing when one of these was kept (below 1: past its
+        # CPU budget, when its diagnosis counter's sums were estimates)
+        self.diagnosis_sample_rate = 1.0
         self._slowest: list[_Slow] = []
         self._keep = keep_slowest
         self._seq = 0
@@ -269,6 +272,8 @@ class Aggregator:
             self.bottlenecks[verdict.bottleneck] += weight
             if verdict.bottleneck in self.stages:
                 self.stages[verdict.bottleneck].bottleneck += weight
+        if verdict.diagnosis_sample_rate < self.diagnosis_sample_rate:
+            self.diagnosis_sample_rate = verdict.diagnosis_sample_rate
         for d in verdict.diagnoses:
             self.diagnoses[d.code] += weight
             if d.code not in self.messages:
@@ -313,6 +318,7 @@ class Aggregator:
             self.stage(name, s.kind).merge(s)
         self.bottlenecks.add_all(other.bottlenecks)
         self.diagnoses.add_all(other.diagnoses)
+        self.diagnosis_sample_rate = min(self.diagnosis_sample_rate, other.diagnosis_sample_rate)
         for code, message in other.messages.items():
             if code not in self.messages:
                 self.messages[code] = message
@@ -387,6 +393,7 @@ class Aggregator:
             "stages": stages,
             "bottlenecks": counts(self.bottlenecks),
             "diagnoses": counts(self.diagnoses),
+            "diagnosis_sample_rate": self.diagnosis_sample_rate,
             "advice": {code: ADVICE.get(code, "") for code in self.diagnoses},
             "examples": {code: self.messages[code] for code in self.diagnoses},
             "evidence": {code: self.evidence[code] for code in self.diagnoses if code in self.evidence},

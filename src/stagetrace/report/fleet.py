@@ -175,6 +175,7 @@ def verdicts_sql(source: Source, filters: Filters) -> str:
   arraySlice(values_all, 1, n_stages) AS values,
   {_attr(c.BOTTLENECK_STAGE)} AS bottleneck,
   if({adjusted} > 0, {adjusted}, 1.) AS w,
+  ifNull(toFloat64OrNull({_attr(c.DIAGNOSIS_SAMPLE_RATE)}), 1.) AS diagnosis_rate,
   toFloat64OrNull({_attr(c.GPU_UTILIZATION)}) AS gpu,
   JSONExtract({_attr(c.DIAGNOSIS)}, 'Array(String)') AS codes,
   {diagnosis_events} AS diagnosis_events
@@ -197,6 +198,7 @@ class VerdictRow(NamedTuple):
     values: list[float]
     bottleneck: str
     w: float
+    diagnosis_rate: float
     gpu: float | None
     codes: list[str]
     diagnosis_events: list[Any]
@@ -235,6 +237,7 @@ def facts_sql(source: Source, filters: Filters, sketch: QuantileSketch, *, batch
     if(slow, [{_fact("slow", "slow_reason", "total")}], []),
     if(isNull(gpu), [], [{_fact("gpu", EMPTY, "assumeNotNull(gpu)")}]),
     if(bottleneck = '', [], [{_fact("bottleneck", "bottleneck", "total")}]),
+    if(diagnosis_rate < 1, [{_fact("diagnosis.rate", EMPTY, "diagnosis_rate")}], []),
     arrayMap(x -> {_fact("diagnosis", "x", "total", example=f"(trace_id, {message})")}, codes),
     arrayMap((x, ms, i) -> {_fact("stage", "x", "ms", share, "x = bottleneck", "i")},
       names, values, arrayEnumerate(names))
@@ -422,6 +425,8 @@ def fold_facts(rows: Iterable[FactRow], groups: dict[str, GroupReport] | None = 
             g.places.add(f.name, f.positions, f.kept)
         elif f.fact == "bottleneck":
             agg.bottlenecks[f.name] += f.n
+        elif f.fact == "diagnosis.rate":  # diagnosed as one of a share: the report says its counts are estimates
+            agg.diagnosis_sample_rate = min(agg.diagnosis_sample_rate, f.low)
         elif f.fact == "diagnosis":
             agg.diagnoses[f.name] += f.n
             if (f.largest, f.example[0]) > g.examples.get(f.name, (-math.inf, "")):

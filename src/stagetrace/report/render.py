@@ -66,6 +66,18 @@ def counts_line(summary: Mapping[str, Any]) -> str:
 SLOW_REASON_LABELS = {"total": "its duration", "first_chunk": "the time to the first chunk", "gap": "the gaps"}
 
 
+def diagnosis_sample_line(summary: Mapping[str, Any]) -> str | None:
+    """Where the exporter was past its CPU budget when some of these traces were kept: its rules ran on a share
+    of traces, so the diagnosis counts (the metrics' and those weighted here) are estimates."""
+    rate = summary.get("diagnosis_sample_rate", 1.0)
+    if rate >= 1.0:
+        return None
+    return (
+        f"past the exporter's CPU budget the rules ran on as few as {rate:.0%} of the traces: the diagnosis "
+        "counts are estimates (every kept trace was diagnosed)"
+    )
+
+
 def slow_reasons_line(summary: Mapping[str, Any]) -> str | None:
     """What made the slow ones slow, where streams are among them: a response by its duration, a stream by
     its time to the first chunk or its gaps (never by its length)."""
@@ -120,6 +132,9 @@ def text_report(
     out += stream_lines(summary)
     out += offload_lines(summary)
     out += ["", "Diagnoses"]
+    sampled_note = diagnosis_sample_line(summary)
+    if sampled_note:
+        out.append(f"  ({sampled_note})")
     if not summary["diagnoses"]:
         out.append("  none fired")
     for code, count in summary["diagnoses"].items():
@@ -495,6 +510,9 @@ def html_report(
         body.append(f"<h2>{_esc(OFFLOAD_TITLE)}</h2>")
         body.append(_html_table("offloads", OFFLOAD_HEADERS, offloaded))
     body.append("<h2>Diagnoses</h2>")
+    sampled_note = diagnosis_sample_line(summary)
+    if sampled_note:
+        body.append(f'<p class="diagnosis-sample">{_esc(sampled_note)}</p>')
     if not summary["diagnoses"]:
         body.append("<p>No diagnosis fired.</p>")
     unit = "requests" if summary.get("sampled") else "traces"

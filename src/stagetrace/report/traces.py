@@ -68,6 +68,8 @@ def _stored_verdict(root: Span, trace_id: str, spans: list[Span]) -> Verdict:
     for name in ("ratio", "slow_threshold_ms", "untracked_ms"):
         fields[name] = fields[name] or 0.0
     fields["slow"] = bool(fields["slow"])
+    if fields["diagnosis_sample_rate"] is None:  # written before the exporter's CPU budget, or by another hand
+        fields["diagnosis_sample_rate"] = 1.0
     return Verdict(
         trace_id=trace_id,
         root_name=root.name,
