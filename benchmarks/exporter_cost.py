@@ -158,14 +158,39 @@ def replay(path: str, mode: str, passes: int, rounds: int = 1) -> list[float]:
     return out
 
 
-def count_instructions(path: str, mode: str, passes: int) -> int:
+# How the replay imports the exporter's modules: the sources, or compiled as the exporter process runs them
+# (``stagetrace._compiled``; where they were built at install).
+BUILDS = {
+    "sources": {"STAGETRACE_PURE_PYTHON": "1"},
+    "compiled": {"_STAGETRACE_EXPORTER_PROCESS": "1"},
+}
+
+
+def replay_env(build: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("STAGETRACE_PURE_PYTHON", "_STAGETRACE_EXPORTER_PROCESS")}
+    return {**env, **BUILDS[build], "PYTHONHASHSEED": "0"}
+
+
+def count_instructions(path: str, mode: str, passes: int, build: str = "sources") -> int:
     with tempfile.TemporaryDirectory() as directory:
         out = os.path.join(directory, "cg.out")
         command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", f"--log-file={directory}/vg"]
         command += [sys.executable, os.path.abspath(__file__), "--replay", path, mode, str(passes)]
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, PYTHONHASHSEED="0"))
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=replay_env(build))
         with open(out) as f:
             return next(int(line.split()[1]) for line in f if line.startswith("summary:"))
+
+
+def cpu_seconds(path: str, mode: str, passes: int, rounds: int, build: str) -> float:
+    """The median CPU seconds a trace of ``rounds`` replays, in a process importing ``build``."""
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--replay", path, mode, str(passes), str(rounds)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=replay_env(build),
+    )
+    return statistics.median(float(v) for v in out.stdout.split())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,13 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instructions", action="store_true", help="count instructions under valgrind instead")
     ap.add_argument("--reps", type=int, default=2, help="with --instructions: passes of the smaller run")
     ap.add_argument("--record", nargs=4, metavar=("VARIANT", "REQUESTS", "PATH", "CONTENDED"), help=argparse.SUPPRESS)
-    ap.add_argument("--replay", nargs=3, metavar=("PATH", "MODE", "PASSES"), help=argparse.SUPPRESS)
+    ap.add_argument("--replay", nargs="+", metavar="PATH MODE PASSES [ROUNDS]", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.record:
         record(args.record[0], int(args.record[1]), args.record[2], args.record[3] == "contended")
         return 0
     if args.replay:
-        replay(args.replay[0], args.replay[1], int(args.replay[2]))
+        rounds = int(args.replay[3]) if len(args.replay) > 3 else 1
+        print(" ".join(str(v) for v in replay(args.replay[0], args.replay[1], int(args.replay[2]), rounds)))
         return 0
     if args.instructions and shutil.which("valgrind") is None:
         print("--instructions needs valgrind (apt-get install valgrind)", file=sys.stderr)
@@ -191,10 +217,16 @@ def main(argv: list[str] | None = None) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))
     os.environ["PYTHONPATH"] = env["PYTHONPATH"]
+    from stagetrace._compiled import compiled_available
+
+    builds = ("sources", "compiled") if compiled_available() else ("sources",)
     unit = "instructions" if args.instructions else "us of CPU"
-    print(f"the exporter's work a trace, {unit} (python {sys.version.split()[0]})")
-    print(f"| variant | {' | '.join(MODES)} | exported over verdict |")
-    print("|---|---:|---:|---:|")
+    print(f"the exporter's work a trace, {unit} (python {sys.version.split()[0]}), {' and '.join(builds)}")
+    headers = [f"{mode} ({build})" for mode in MODES for build in builds]
+    if len(builds) == 2:
+        headers = [h for mode in MODES for h in (f"{mode} (sources)", f"{mode} (compiled)", "compiled / sources")]
+    print(f"| variant | {' | '.join(headers)} | exported over verdict ({builds[-1]}) |")
+    print("|---|" + "---:|" * (len(headers) + 1))
     with tempfile.TemporaryDirectory() as directory:
         for (variant, contended), label in RECORDINGS.items():
             how = "contended" if contended else "calm"
@@ -213,15 +245,21 @@ def main(argv: list[str] | None = None) -> int:
                 traces = sum(1 for m in pickle.load(f) if m[0] == "T")
             figures = {}
             for mode in MODES:
-                if args.instructions:
-                    small = count_instructions(path, mode, args.reps)
-                    large = count_instructions(path, mode, 2 * args.reps)
-                    figures[mode] = (large - small) / (args.reps * traces)
-                else:
-                    figures[mode] = statistics.median(replay(path, mode, args.passes, args.rounds)) * 1e6
+                for build in builds:
+                    if args.instructions:
+                        small = count_instructions(path, mode, args.reps, build)
+                        large = count_instructions(path, mode, 2 * args.reps, build)
+                        figures[mode, build] = (large - small) / (args.reps * traces)
+                    else:
+                        figures[mode, build] = cpu_seconds(path, mode, args.passes, args.rounds, build) * 1e6
             fmt = (lambda v: f"{v / 1e3:.0f} k") if args.instructions else (lambda v: f"{v:.1f}")
-            extra = figures["exported"] - figures["verdict"]
-            print(f"| {label} | {fmt(figures['verdict'])} | {fmt(figures['exported'])} | {fmt(extra)} |")
+            cells = []
+            for mode in MODES:
+                cells += [fmt(figures[mode, build]) for build in builds]
+                if len(builds) == 2:
+                    cells.append(f"{figures[mode, 'compiled'] / figures[mode, 'sources']:.2f}")
+            extra = figures["exported", builds[-1]] - figures["verdict", builds[-1]]
+            print(f"| {label} | {' | '.join(cells)} | {fmt(extra)} |")
     return 0
 
 

@@ -9,6 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
+# the mutants are the sources: no process of the run may load the compiled modules built beside them
+export STAGETRACE_PURE_PYTHON=1
 "$PY" -m pip show mutmut >/dev/null 2>&1 || "$PY" -m pip install -q "mutmut==3.8.1"
 "$PY" -m mutmut run --max-children "${MUTMUT_CHILDREN:-2}" "$@" || true  # its exit status says nothing of the score
 "$PY" -m mutmut results 2>/dev/null | grep -E ": (survived|no tests)" || true

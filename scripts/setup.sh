@@ -23,3 +23,4 @@ PY=${PYTHON:-python3}
 # constraints.txt pins the OpenTelemetry set and the CPU build of torch 2.13.0 (a looser pin pulls CUDA).
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[dev]" 2>&1 | grep -v "^WARNING" || true
 .venv/bin/python -c "import stagetrace, torch, fastapi, opentelemetry.sdk; print('stagetrace', stagetrace.__version__, 'ready')"
+.venv/bin/python -c "from stagetrace._compiled import status; print(status())"  # compiled, or why not

@@ -107,7 +107,15 @@ def test_shutdown_flushes_and_leaves_no_process_or_zombie(make_harness):
     assert not alive(pid)  # exited and reaped
 
 
-def test_a_killed_exporter_is_restarted_and_every_trace_is_either_analysed_or_counted(make_harness):
+@pytest.mark.parametrize(
+    "how",
+    [
+        pytest.param(signal.SIGKILL, id="killed"),
+        # a crash of the compiled exporter (stagetrace._compiled) is a crash of its process, nothing more
+        pytest.param(signal.SIGSEGV, id="segfault", marks=pytest.mark.slow),
+    ],
+)
+def test_a_killed_exporter_is_restarted_and_every_trace_is_either_analysed_or_counted(make_harness, how):
     h = make_harness()
     first = h.handle.exporter_pid
     total, t0 = 0, time.monotonic()
@@ -115,7 +123,7 @@ def test_a_killed_exporter_is_restarted_and_every_trace_is_either_analysed_or_co
         run_pipelines(10)
         total += 10
         if i == 20:
-            os.kill(first, signal.SIGKILL)  # mid-load
+            os.kill(first, how)  # mid-load
     assert time.monotonic() - t0 < 10  # the application kept serving, never waiting on the exporter
     assert wait_until(lambda: h.handle.exporter_pid not in (None, first))
     h.flush()

@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "stagetrace"
-SHARED = {"conventions", "settings", "_compat", "_safety", "_version"}
+SHARED = {"conventions", "settings", "_compat", "_safety", "_version", "_compiled"}
 # package -> the stagetrace packages and modules it may import (besides SHARED and itself)
 ALLOWED: dict[str, set[str]] = {
     "analysis": set(),

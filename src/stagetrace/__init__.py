@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from stagetrace import _compiled
 from stagetrace._version import __version__
+
+_compiled.install()  # the sources of the exporter's compiled modules, but in an exporter process allowed them
 
 if TYPE_CHECKING:
     from stagetrace.analysis import Diagnosis, DiagnosisThresholds, Verdict

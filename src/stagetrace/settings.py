@@ -93,6 +93,10 @@ def _number_from_env(name: str, default: float, describe: str, valid: Callable[[
     return value
 
 
+# The exporter's CPU budget's default share of the application's CPU (benchmarks/saturation.py; docs/performance.md).
+DEFAULT_EXPORTER_CPU_BUDGET = 0.05
+
+
 def healthy_sample_from_env(default: float = 0.1) -> float:
     """``STAGETRACE_HEALTHY_SAMPLE``: the share of healthy traces exported in full (0..1)."""
     return _number_from_env("STAGETRACE_HEALTHY_SAMPLE", default, "a number between 0 and 1", lambda v: 0 <= v <= 1)
@@ -108,6 +112,19 @@ def export_budget_from_env(default: float | None = 20.0) -> float | None:
     if not raw:
         return default
     return _number_from_env("STAGETRACE_EXPORT_BUDGET", 0.0, "a number of traces a second > 0, or off", _positive)
+
+
+def exporter_cpu_budget_from_env(default: float | None = DEFAULT_EXPORTER_CPU_BUDGET) -> float | None:
+    """``STAGETRACE_EXPORTER_CPU_BUDGET``: the exporter's CPU, at most this share of the application's (a number
+    > 0; the diagnosis rules run on a share of traces past it), or ``off`` to diagnose every trace."""
+    raw = os.environ.get("STAGETRACE_EXPORTER_CPU_BUDGET", "").strip().lower()
+    if raw in ("off", "none", "unlimited"):
+        return None
+    if not raw:
+        return default
+    return _number_from_env(
+        "STAGETRACE_EXPORTER_CPU_BUDGET", 0.0, "a share of the application's CPU > 0, or off", _positive
+    )
 
 
 def _positive(value: float) -> bool:
@@ -172,6 +189,10 @@ class Settings:
     signature_budget_per_s: float = 5.0
     signature_budget_burst: float = 10.0
     max_budget_signatures: int = 1024
+    # The exporter's CPU budget (``exporter/diagnosis_budget.py``): at most this share of the CPU the application
+    # process uses (and at least 1 % of a CPU); every trace is diagnosed within it, a share of them past it,
+    # the diagnosis counter weighted so its sums stay unbiased. None: every trace diagnosed, whatever it costs.
+    exporter_cpu_budget: float | None = field(default_factory=exporter_cpu_budget_from_env)
     # A batch span waits in the exporter for its members' keep decisions (it is exported when any member
     # is), at most this long and this many at once.
     batch_keep_wait_s: float = 30.0
@@ -214,6 +235,8 @@ class Settings:
             raise ValueError(f"stream_gap_threshold_ms must be > 0, got {self.stream_gap_threshold_ms!r}")
         if not 0.0 <= self.healthy_sample <= 1.0:
             raise ValueError(f"healthy_sample must be between 0 and 1, got {self.healthy_sample!r}")
+        if self.exporter_cpu_budget is not None and not self.exporter_cpu_budget > 0:
+            raise ValueError(f"exporter_cpu_budget must be > 0 or None (no budget), got {self.exporter_cpu_budget!r}")
         if self.export_budget_per_s is not None and not self.export_budget_per_s > 0:
             raise ValueError(f"export_budget_per_s must be > 0 or None (no budget), got {self.export_budget_per_s!r}")
         for name in ("export_budget_burst", "signature_budget_per_s", "signature_budget_burst"):
@@ -323,6 +346,19 @@ ENVIRONMENT_REFERENCE: tuple[tuple[str, str, str], ...] = (
         "(`Settings.export_budget_per_s`)",
     ),
     (
+        "STAGETRACE_EXPORTER_CPU_BUDGET",
+        f"a share > 0, default {DEFAULT_EXPORTER_CPU_BUDGET}; or `off`",
+        "the exporter's CPU, at most this share of the application process's (and at least 1 % of a CPU): past "
+        "it the diagnosis rules run on a share of traces, every kept trace among them, and the diagnosis "
+        "counter is weighted to stay unbiased; `off`: every trace diagnosed (`Settings.exporter_cpu_budget`)",
+    ),
+    (
+        "STAGETRACE_PURE_PYTHON",
+        "`1` (also `true`, `yes`, `on`); default off",
+        "the exporter process imports the sources of its compiled modules too (the application always does; "
+        "at install, nothing is compiled)",
+    ),
+    (
         "STAGETRACE_RECORD_QUERY_STRINGS",
         "`true` (also `1`, `yes`, `on`); default off",
         "keep query strings in the local root's `http.target`, `http.url`, `url.full` and `url.query`, which are "
@@ -366,6 +402,8 @@ SETTINGS_REFERENCE: dict[str, str] = {
     "signature_budget_per_s": "full traces a second per signature (route or root name, bottleneck, codes)",
     "signature_budget_burst": "the per-signature burst",
     "max_budget_signatures": "signatures the budget remembers at most",
+    "exporter_cpu_budget": "the exporter's CPU at most this share of the application's, diagnosing a share of "
+    "traces past it; None: every trace diagnosed (`STAGETRACE_EXPORTER_CPU_BUDGET`)",
     "batch_keep_wait_s": "how long a batch span waits for its members' keep decisions",
     "max_pending_batches": "batch spans waiting for those decisions at most",
 }

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from stagetrace._compiled import EXPORTER_VARIABLE
 from stagetrace._safety import at_fork_in_child, logger, report_internal_error
 from stagetrace.common import wire
 from stagetrace.common.channel import FrameReader, NonBlockingWriter, encode_frame, make_pipe
@@ -115,6 +116,8 @@ class ProcessTransport:
                 # Its own session: a terminal's Ctrl-C reaches the application, which then shuts down
                 # and flushes, not the exporter half-way. It still ends with the application.
                 start_new_session=True,
+                # the one process that may run the compiled modules (``stagetrace._compiled``)
+                env={**os.environ, EXPORTER_VARIABLE: "1"},
             )
         except OSError:
             for fd in (to_exporter_r, to_exporter_w, results_r, results_w):
