@@ -177,14 +177,21 @@ def _callgrind_counts(directory: str) -> dict[str, int]:
     import glob
 
     per_pid: dict[int, dict[int, int]] = {}
+    commands: dict[int, str] = {}
     for path in glob.glob(os.path.join(directory, "cg.*")):
         pid, dash, thread = path.rsplit("cg.", 1)[1].partition("-")
         if not dash:
             continue  # the per-process file, empty with --separate-threads
+        total = 0
         with open(path) as f:
-            total = next((int(line.split()[1]) for line in f if line.startswith("summary:")), 0)
+            for line in f:
+                if line.startswith("cmd:"):
+                    commands[int(pid)] = line
+                elif line.startswith("summary:"):
+                    total = int(line.split()[1])
         per_pid.setdefault(int(pid), {})[int(thread)] = total
-    app = min(per_pid)  # the workload started first: the lowest pid
+    # the workload's process by its command (the lowest pid is not it once pids wrap around)
+    app = next(pid for pid, cmd in commands.items() if "--workload" in cmd)
     threads = per_pid.pop(app)
     return {
         "request": threads.get(1, 0),

@@ -34,7 +34,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from stagetrace._compat import clean_attribute_value_as_sdk
 from stagetrace._safety import report_internal_error
 from stagetrace.capture.records import SpanContextOnDemand
-from stagetrace.common.wire import link_flags, trace_state_header
+from stagetrace.common.wire import KIND_VALUES, STATUS_VALUES, link_flags, trace_state_header
 
 # The SDK's own logger and messages, so that a misuse reads the same whichever span class caught it.
 _sdk_logger = logging.getLogger("opentelemetry.sdk.trace")
@@ -348,7 +348,7 @@ class LightSpan(SpanContextOnDemand, trace_api.Span):
             self.span_id,
             self.parent_span_id,
             self.parent_is_remote,
-            self.kind.value,
+            KIND_VALUES[self.kind],  # an enum's .value is a Python descriptor call
             self.start_time,
             self.end_time or 0,
             dict(self._attributes),
@@ -363,7 +363,7 @@ class LightSpan(SpanContextOnDemand, trace_api.Span):
                 )
                 for ctx, attrs in self._links or ()
             ),
-            status.status_code.value if status is not None else StatusCode.UNSET.value,
+            STATUS_VALUES[status.status_code] if status is not None else _UNSET,
             (status.description or "") if status is not None else "",
             self.instrumentation_scope.name,
             self.instrumentation_scope.version or "",
@@ -376,6 +376,9 @@ class LightSpan(SpanContextOnDemand, trace_api.Span):
 
     def __repr__(self) -> str:
         return f'LightSpan(name="{self.name}", span_id={self.span_id:016x})'
+
+
+_UNSET = StatusCode.UNSET.value
 
 
 def start_links(span: LightSpan, links: Sequence[trace_api.Link] | None) -> None:

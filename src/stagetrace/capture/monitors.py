@@ -129,6 +129,7 @@ class GilPressureMonitor:
         self._pid = 0
         self.idle_waits = 0  # times the thread went to sleep with nothing in flight
         self.process_reads = 0  # readings of the process's totals taken at wake-ups
+        self.wakeups = 0  # wake-ups with a trace in flight (each a sample)
         self.last_wake_ns = 0  # epoch ns of the last wake-up, or of going idle (every trace ended by then)
 
     def ensure_running(self) -> None:
@@ -191,6 +192,7 @@ class GilPressureMonitor:
             else:
                 gil_ns = lag_ns
             t0 = t1
+            self.wakeups += 1
             self.series.add(max(0.0, gil_ns / 1e6))
             self.last_wake_ns = time.time_ns()
             # Any lateness brings the next reading of the totals forward (a stage's bounds are read between

@@ -9,7 +9,7 @@ is added in one place. Everything here is plain data (ints, floats, strings, byt
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter
 from typing import Any, NamedTuple, cast
 
@@ -209,10 +209,21 @@ class ShippedTrace(NamedTuple):
     gen_ai: dict[str, Any] | None  # the generative model it served, as stagetrace.generation() said
 
 
-def trace_message(**fields: Any) -> tuple[Any, ...]:
-    """A TRACE message from its fields by name (``ShippedTrace``'s, as the sender has them: spans and
-    stages still plain tuples), in the order ``ShippedTrace`` gives them."""
-    return (TRACE, *map(fields.__getitem__, ShippedTrace._fields))
+def _trace_message_builder() -> Callable[..., tuple[Any, ...]]:
+    """``trace_message``: a TRACE message from its fields by name (``ShippedTrace``'s, as the sender has them:
+    spans and stages still plain tuples), in the order ``ShippedTrace`` gives them; every field required.
+    Compiled once from the table (as ``_stage_fields_assigner``), keyword-only parameters in its order: the
+    helper thread's once-a-trace construction, where a ``**fields`` dict mapped back to a tuple took a third of
+    the time of packing the trace's spans."""
+    names = ", ".join(ShippedTrace._fields)
+    namespace: dict[str, Any] = {"TRACE": TRACE}
+    exec(f"def trace_message(*, {names}):\n    return (TRACE, {names})\n", namespace)
+    built: Callable[..., tuple[Any, ...]] = namespace["trace_message"]
+    built.__doc__ = _trace_message_builder.__doc__
+    return built
+
+
+trace_message = _trace_message_builder()
 
 
 def unpack_trace(msg: Sequence[Any]) -> ShippedTrace:
@@ -290,6 +301,10 @@ def _plain_attributes(attributes: Any) -> dict[str, Any]:
     return dict(attributes) if attributes else {}
 
 
+KIND_VALUES = {kind: kind.value for kind in SpanKind}
+STATUS_VALUES = {code: code.value for code in StatusCode}
+
+
 def pack_span(span: ReadableSpan) -> tuple[Any, ...]:
     """An SDK span as its wire tuple (``WireSpan``'s fields in order, a plain tuple for ``marshal``). Runs on
     the application's helper thread, never a request thread."""
@@ -303,7 +318,7 @@ def pack_span(span: ReadableSpan) -> tuple[Any, ...]:
         ctx.span_id,
         parent.span_id if parent is not None else 0,
         bool(parent.is_remote) if parent is not None else False,
-        span.kind.value,
+        KIND_VALUES[span.kind],  # an enum's .value is a Python descriptor call
         span.start_time or 0,
         span.end_time or 0,
         _plain_attributes(span.attributes),
@@ -318,7 +333,7 @@ def pack_span(span: ReadableSpan) -> tuple[Any, ...]:
             )
             for link in span.links
         ),
-        status.status_code.value,
+        STATUS_VALUES[status.status_code],
         status.description or "",
         scope.name if scope is not None else "",
         (scope.version or "") if scope is not None else "",

@@ -40,6 +40,12 @@ class GpuSupport:
         self._lock = threading.Lock()
         self._guard_installed = False
 
+    @property
+    def in_use(self) -> bool:
+        """Whether any stage ever recorded CUDA events (then NVML samples that device too): until one does, the
+        helper thread has nothing of GPU support's to do for a trace, and skips it."""
+        return bool(self.timer.devices_seen)
+
     # --- hot path (request thread) --------------------------------------------------------------------
     def start(self, rec: Any, device: int | None) -> None:
         """Record the start event on the device's current stream; stays on wall time if CUDA is not in use

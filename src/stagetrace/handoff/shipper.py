@@ -51,6 +51,9 @@ class GpuHooks(Protocol):
     """The helper thread's side of GPU support (``gpu.GpuSupport``): readiness of CUDA events (a query,
     never a wait), turning them into numbers, discarding those never read, and periodic work."""
 
+    @property
+    def in_use(self) -> bool: ...  # CUDA events recorded at least once: else nothing to do for any trace
+
     def ready(self, stages: Any, end_epoch_ns: int | None) -> bool: ...
     def apply(self, rec: Any, perf_to_epoch_ns: int, not_after_ns: int | None = None) -> None: ...
     def forget(self, rec: Any) -> None: ...
@@ -342,7 +345,7 @@ class Shipper:
     # --- GPU readiness ---------------------------------------------------------------------------------
     def _gpu_ready(self, item: Any) -> bool:
         gpu = self.gpu
-        if gpu is None or isinstance(item, _LoneSpan):
+        if gpu is None or not gpu.in_use or isinstance(item, _LoneSpan):
             return True
         if isinstance(item, StageRecord):
             return gpu.ready((item,), None)
@@ -373,7 +376,7 @@ class Shipper:
     def forget_gpu(self, item: Any) -> None:
         """Discard the CUDA events of what is dropped before it was shipped, so that the pool stays whole."""
         gpu = self.gpu
-        if gpu is None or isinstance(item, (_LoneSpan, _FlushMarker)):
+        if gpu is None or not gpu.in_use or isinstance(item, (_LoneSpan, _FlushMarker)):
             return
         try:
             stages = [item] if isinstance(item, StageRecord) else list(item[0].stages)
@@ -403,39 +406,42 @@ class Shipper:
 
     def _pack_trace(self, trace: TraceRecord, root: ReadableSpan) -> tuple[Any, ...]:
         with trace.lock:
-            trace.closed = True
-            stages = list(trace.stages)
-            others = list(trace.others)
-            tickets = list(trace.memberships) if trace.memberships else None
-            worker_runs = list(trace.worker_runs) if trace.worker_runs else ()
+            trace.closed = True  # from here on nothing adds to its lists: they are read without a copy
+        stages = trace.stages
+        tickets = trace.memberships
         offset = trace.perf_to_epoch_ns
         if tickets:
-            stages += fanout.member_stages(tickets, (root.end_time or 0) - offset, self._ticket_unused)
+            stages = [*stages, *fanout.member_stages(tickets, (root.end_time or 0) - offset, self._ticket_unused)]
         gpu_utilization = None
         gpu = self.gpu
-        if gpu is not None:
+        if gpu is not None and gpu.in_use:
             root_end_perf = (root.end_time or 0) - offset
             for rec in stages:
                 resolve_gpu_once(gpu, rec, offset, root_end_perf)
             gpu_utilization = gpu.trace_utilization(root.start_time or 0, root.end_time or 0)
-        ctx = root.context
+        if type(root) is LightSpan:  # its flags and state as they are, no SpanContext made for them
+            flags, state = root.trace_flags, root.trace_state
+        else:
+            ctx = root.context
+            flags, state = ctx.trace_flags, ctx.trace_state
         packed_root = pack_any_span(root)
         if trace.batch is not None:
             packed_root = wire.with_links(packed_root, tuple(wire.member_link(*m) for m in trace.batch.members))
         task_created_ns, received_ms_ago = trace.arrival or (0, -1)
         pack = fanout.pack_member_stage if tickets else wire.pack_stage
+        worker_runs = trace.worker_runs
         return wire.trace_message(
             trace_id=trace.trace_id,
-            flags=int(ctx.trace_flags),
-            state=wire.trace_state_header(ctx.trace_state),
+            flags=int(flags),
+            state=wire.trace_state_header(state),
             offset=offset,
             dropped_stages=trace.dropped_stages,
             gpu_utilization=gpu_utilization,
             root=packed_root,
             stages=pack_stages(stages, pack),
-            others=tuple(map(pack_any_span, others)),
+            others=tuple(map(pack_any_span, trace.others)),
             loop_thread=trace.loop_thread,
-            worker_runs=tuple(worker_runs),
+            worker_runs=tuple(worker_runs) if worker_runs else (),
             task_created_ns=task_created_ns,
             received_ms_ago=received_ms_ago,
             stream=trace.stream.packed() if trace.stream is not None else None,
@@ -448,7 +454,7 @@ class Shipper:
     def _pack_lone_stage(self, rec: StageRecord) -> tuple[Any, ...]:
         trace = rec.trace
         offset = trace.perf_to_epoch_ns if trace is not None else rec.perf_to_epoch_ns
-        if self.gpu is not None:
+        if self.gpu is not None and self.gpu.in_use:
             resolve_gpu_once(self.gpu, rec, offset)
         source: Any = trace if trace is not None else rec  # untracked trace: flags were taken at stage entry
         flags = source.trace_flags
