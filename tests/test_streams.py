@@ -656,7 +656,7 @@ def test_slow_streams_are_judged_kept_logged_and_counted_by_their_phase(make_har
 
     settings = stagetrace.Settings(
         healthy_sample=0.0, export_budget_per_s=None, slow_threshold_ms=50.0,
-        route_first_chunk_thresholds_ms={"/first": 15.0}, stream_gap_threshold_ms=8.0,
+        route_first_chunk_thresholds_ms={"/first": 15.0}, stream_gap_threshold_ms=20.0,
     )  # fmt: skip
     h = make_harness(settings=settings)
     app = FastAPI()
@@ -673,7 +673,9 @@ def test_slow_streams_are_judged_kept_logged_and_counted_by_their_phase(make_har
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
-    app.get("/gaps")(lambda: streamed(0.0, 0.012, 10))
+    # The healthy long stream's 2 ms gaps are 18 ms under the gap threshold: a busy host's hiccup does not
+    # make one of its 59 gaps slow (with 6 ms it did, on a host loaded by other work).
+    app.get("/gaps")(lambda: streamed(0.0, 0.03, 10))
     app.get("/first")(lambda: streamed(0.03, 0.001, 10))
     app.get("/long")(lambda: streamed(0.0, 0.002, 60))  # 120 ms of chunks, over the 50 ms slow threshold
     stagetrace.instrument_fastapi(app)
@@ -687,13 +689,13 @@ def test_slow_streams_are_judged_kept_logged_and_counted_by_their_phase(make_har
     assert not verdicts["/long"].slow and verdicts["/long"].total_ms > 50.0
     kept = {r.attributes[c.HTTP_ROUTE]: r.attributes for r in h.roots()}
     assert set(kept) == {"/gaps", "/first"}
-    assert kept["/gaps"][c.SLOW_REASON] == c.SLOW_GAP and kept["/gaps"][c.STREAM_GAP_THRESHOLD_MS] == 8.0
+    assert kept["/gaps"][c.SLOW_REASON] == c.SLOW_GAP and kept["/gaps"][c.STREAM_GAP_THRESHOLD_MS] == 20.0
     assert (
         kept["/first"][c.SLOW_REASON] == c.SLOW_FIRST_CHUNK
         and kept["/first"][c.STREAM_FIRST_CHUNK_THRESHOLD_MS] == 15.0
     )
     said = [r.getMessage() for r in caplog.records if "slow stream" in r.getMessage()]
-    assert any(m.startswith("stagetrace: slow stream GET /gaps /gaps: gaps p99 ") and "> 8 ms; bottleneck decode_step"
+    assert any(m.startswith("stagetrace: slow stream GET /gaps /gaps: gaps p99 ") and "> 20 ms; bottleneck decode_step"
                in m for m in said), said  # fmt: skip
     assert any(m.startswith("stagetrace: slow stream GET /first /first: first chunk ") and "> 15 ms; bottleneck prefill"
                in m for m in said), said  # fmt: skip
