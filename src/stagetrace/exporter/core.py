@@ -308,12 +308,13 @@ class ExporterCore:
                 self.adjusted.left_out(stratum, weight)
             else:
                 adjusted_count = self.adjusted.kept(stratum, weight)
-        self.decisions.remember(trace_id, kept=keep.kept)
-        self._export(self.batches.member_decided(trace_id, kept=keep.kept))
-        self.metrics.record_trace(verdict, (trace_id, root.span_id) if keep.kept else None)
+        kept = keep.kept
+        self.decisions.remember(trace_id, kept=kept)
+        self._export(self.batches.member_decided(trace_id, kept=kept))
+        self.metrics.record_trace(verdict, (trace_id, root.span_id) if kept else None)
         if t.dropped_stages:
             self.metrics.dropped("stages_per_trace", t.dropped_stages)
-        if keep.kept:
+        if kept:
             # Stages that started after the root ended (work after the response) are marked late.
             late = {id(st) for st, charged in zip(analysed, analysis.charged_ms) if charged is None}
             marks = {c.LATE: True}

@@ -33,7 +33,10 @@ class Keep(str, Enum):
 
     @property
     def kept(self) -> bool:
-        return self not in (Keep.UNSAMPLED, Keep.DROPPED, Keep.BUDGET)
+        return self not in _NOT_KEPT  # a set: a str enum compares by value, member by member, in a tuple
+
+
+_NOT_KEPT = frozenset({Keep.UNSAMPLED, Keep.DROPPED, Keep.BUDGET})
 
 
 def in_healthy_share(trace_id: int, share: float) -> bool:
