@@ -42,6 +42,10 @@ def test_source_first_hands_the_import_system_the_source_of_each_listed_module(t
 
 
 def test_every_process_but_an_allowed_exporter_imports_the_sources():
+    # the suite's own environment chooses nothing here (CI runs it once with STAGETRACE_PURE_PYTHON=1)
+    inherited = {
+        k: v for k, v in os.environ.items() if k not in (_compiled.EXPORTER_VARIABLE, _compiled.PURE_PYTHON_VARIABLE)
+    }
     env_app = {}
     env_exporter = {_compiled.EXPORTER_VARIABLE: "1"}
     env_forced = {_compiled.EXPORTER_VARIABLE: "1", _compiled.PURE_PYTHON_VARIABLE: "1"}
@@ -53,7 +57,7 @@ def test_every_process_but_an_allowed_exporter_imports_the_sources():
     for name, env in (("app", env_app), ("exporter", env_exporter), ("forced", env_forced)):
         run = subprocess.run(
             [sys.executable, "-c", script, json.dumps(env)], capture_output=True, text=True, check=True,
-            env={k: v for k, v in os.environ.items() if k not in (_compiled.EXPORTER_VARIABLE,)},
+            env=inherited,
         )  # fmt: skip
         out[name] = run.stdout.strip()
     # importing stagetrace installed the finder already in the application (True either way) ...
@@ -62,7 +66,7 @@ def test_every_process_but_an_allowed_exporter_imports_the_sources():
     allowed = subprocess.run(
         [sys.executable, "-c", "import sys, stagetrace; from stagetrace._compiled import SourceFirst; "
          "print([f.stale_only for f in sys.meta_path if isinstance(f, SourceFirst)])"],
-        capture_output=True, text=True, check=True, env={**os.environ, **env_exporter},
+        capture_output=True, text=True, check=True, env={**inherited, **env_exporter},
     )  # fmt: skip
     assert allowed.stdout.strip() == "[True]"
 
