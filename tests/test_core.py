@@ -185,9 +185,12 @@ def test_untracked_time_diagnosis_is_a_root_event(harness):
             time.sleep(0.002)
         time.sleep(0.03)
     root = harness.by_name("p")[0]
-    assert root.attributes[c.DIAGNOSIS] == ("UNTRACKED_TIME",)
-    (event,) = [e for e in root.events if e.name == c.DIAGNOSIS_EVENT]
-    assert event.attributes[c.DIAGNOSIS_EVENT_CODE] == "UNTRACKED_TIME"
+    # named (a loaded host may add a wait for a CPU in 'small' beside it: not this test's matter)
+    assert "UNTRACKED_TIME" in root.attributes[c.DIAGNOSIS]
+    (event,) = [
+        e for e in root.events
+        if e.name == c.DIAGNOSIS_EVENT and e.attributes[c.DIAGNOSIS_EVENT_CODE] == "UNTRACKED_TIME"
+    ]  # fmt: skip
     assert event.attributes[c.DIAGNOSIS_EVENT_ADVICE]
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 
@@ -77,20 +78,20 @@ class DiagnosisThresholds:
     def silent(cls) -> DiagnosisThresholds:
         """Thresholds no trace reaches: none fires, and every rule is evaluated but the four per-stage CPU
         rules, which only judge stages of at least ``min_stage_ms`` and so are skipped as on a trace of short
-        stages (their own minimums need no value here). For measuring what the analysis costs a healthy
+        stages (their own minimums need no value here), and BATCH_UNDERFILLED, which needs a queue of at least
+        ``queueing_ms`` behind the batcher. For measuring what the analysis costs a healthy
         service on a host that would rightly diagnose it (a benchmark under valgrind, a test beside a CPU hog)."""
         return cls(
             min_stage_ms=math.inf,
-            gpu_starved_utilization=-1.0,
-            pageable_min_bytes=1 << 62,
+            gpu_starved_utilization=-math.inf,
+            pageable_min_bytes=sys.maxsize,
             event_loop_stage_ms=math.inf,
             event_loop_lag_ms=math.inf,
             event_loop_wait_ms=math.inf,
             queueing_ms=math.inf,
             untracked_min_ms=math.inf,
             batch_wait_min_ms=math.inf,
-            batch_underfilled_fill=-1.0,
-            stream_min_chunks=1 << 62,
+            stream_min_chunks=sys.maxsize,
             pool_saturated_min_ms=math.inf,
             ipc_min_ms=math.inf,
             cold_start_min_ms=math.inf,
