@@ -31,7 +31,8 @@ from stagetrace.settings import Settings
 
 SLOWEST_MARGIN = 1.25  # a later trace of the minute is "the slowest so far" when this much slower
 MINUTE_S = 60.0
-# The share of the global burst that only higher priorities may spend (errors spend everything).
+# The share of the global burst that only higher priorities may spend (errors spend everything); one entry for
+# each reason a trace is kept (``Keep.kept``).
 _RESERVE = {Keep.ERROR: 0.0, Keep.SLOW: 0.25, Keep.DIAGNOSED: 0.25, Keep.HEALTHY_SAMPLE: 0.5}
 
 Signature = tuple[str, str, tuple[str, ...]]
@@ -109,7 +110,7 @@ class ExportBudget:
                 return Keep.BUDGET
             bucket.tokens -= 1.0
             return keep
-        reserve = _RESERVE.get(keep, 0.5) * self.limits.burst
+        reserve = _RESERVE[keep] * self.limits.burst
         if bucket.tokens < 1.0 + reserve:
             return Keep.BUDGET
         if keep is not Keep.ERROR:  # errors are not rationed per signature: a failing kind is always news
@@ -131,7 +132,7 @@ class ExportBudget:
             return True
         bucket = self.global_bucket
         bucket.refill(now)
-        return bucket.tokens >= 1.0 + _RESERVE.get(keep, 0.5) * self.limits.burst
+        return bucket.tokens >= 1.0 + _RESERVE[keep] * self.limits.burst
 
     def _state(self, signature: Signature, now: float) -> _SignatureState:
         state = self._signatures.get(signature)
@@ -140,14 +141,14 @@ class ExportBudget:
             state = _SignatureState(TokenBucket(limits.signature_per_s, limits.signature_burst, now))
             self._signatures[signature] = state
             if len(self._signatures) > limits.max_signatures:
-                self._signatures.popitem(last=False)
+                self._signatures.popitem(False)  # the least recently seen
         else:
             self._signatures.move_to_end(signature)
         return state
 
     @staticmethod
     def _slowest_of_minute(state: _SignatureState, slowness: float, now: float) -> bool:
-        minute = int(now // MINUTE_S)
+        minute = int(now / MINUTE_S)  # now >= 0
         if minute != state.minute:
             state.minute, state.minute_max = minute, slowness
             return True
@@ -182,7 +183,7 @@ class AdjustedCounts:
     def left_out(self, stratum: Stratum, weight: float) -> None:
         self._carried[stratum] = self._carried.pop(stratum, 0.0) + weight
         if len(self._carried) > self._max:
-            self._carried.popitem(last=False)
+            self._carried.popitem(False)  # the least recently seen
 
     def kept(self, stratum: Stratum, weight: float) -> float:
         """The kept trace's adjusted count: its own weight and what was handed to it."""
@@ -191,7 +192,7 @@ class AdjustedCounts:
 
 def own_weight(keep: Keep, healthy_share: float) -> float:
     """A trace's weight before the budget: a healthy sample stands for 1 / the share of healthy traces kept."""
-    return 1.0 / healthy_share if keep is Keep.HEALTHY_SAMPLE and 0.0 < healthy_share < 1.0 else 1.0
+    return 1.0 / healthy_share if keep is Keep.HEALTHY_SAMPLE else 1.0  # kept with that share: never 0 then
 
 
 def kind_of(root_name: str, route: str | None, bottleneck: str | None) -> Kind:
