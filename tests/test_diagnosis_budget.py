@@ -327,3 +327,14 @@ def test_the_report_says_when_its_diagnosis_counts_are_estimates():
     merged.merge(within)
     merged.merge(past)
     assert merged.summary()["diagnosis_sample_rate"] == 0.2
+
+
+def test_the_diagnosis_hash_is_splitmix64s_finalizer_over_both_halves_of_the_id():
+    # splitmix64 seeded with 0 yields 0xE220A8397B1DCDAF then 0x6E789E6AA1B965F4 (Vigna's reference
+    # splitmix64.c): its finalizer over the state after one and two steps of its constant, 0x9E3779B97F4A7C15
+    gamma = 0x9E3779B97F4A7C15
+    assert db.diagnosis_hash(gamma) == 0xE220A8397B1DCDAF
+    assert db.diagnosis_hash((2 * gamma) & ((1 << 64) - 1)) == 0x6E789E6AA1B965F4
+    # the high 64 bits are folded in by xor: the same state from either half, or from both
+    assert db.diagnosis_hash(gamma << 64) == 0xE220A8397B1DCDAF
+    assert db.diagnosis_hash((gamma << 64) | gamma) == db.diagnosis_hash(0)
