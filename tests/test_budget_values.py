@@ -1,12 +1,12 @@
 """The export budget's decisions at their edges, each computed by hand: the debt a minute's slowest traces may
 run up, a signature's last token, the margin that makes a trace the slowest of its minute, the minute's turn,
-which signature and which carried weight are forgotten first, and a kept trace's own weight."""
+which signature and which carried weight are forgotten first. (A kept trace's own weight: test_export_values.)"""
 
 from __future__ import annotations
 
 import pytest
 
-from stagetrace.exporter.budget import SLOWEST_MARGIN, AdjustedCounts, BudgetLimits, ExportBudget, own_weight
+from stagetrace.exporter.budget import SLOWEST_MARGIN, AdjustedCounts, BudgetLimits, ExportBudget
 from stagetrace.exporter.keep import Keep
 
 A, B, C = (("/a", "decode", ()), ("/b", "decode", ()), ("/c", "decode", ()))
@@ -85,19 +85,6 @@ def test_the_least_recently_carried_weight_is_forgotten_first():
     assert counts.kept(slow_b, 1.0) == 1.0
     assert counts.kept(slow_c, 1.0) == 1.0 + 8.0
     assert counts.kept(slow_c, 1.0) == 1.0  # handed over once
-
-
-@pytest.mark.parametrize(
-    ("keep", "share", "weight"),
-    [
-        (Keep.HEALTHY_SAMPLE, 0.25, 4.0),  # one healthy trace in 4 kept: it stands for 4
-        (Keep.HEALTHY_SAMPLE, 1.0, 1.0),  # every healthy trace kept
-        (Keep.SLOW, 0.25, 1.0),  # slow traces are not sampled by the healthy share
-        (Keep.ERROR, 0.1, 1.0),
-    ],
-)
-def test_a_kept_traces_own_weight_is_one_over_the_share_it_was_sampled_at(keep, share, weight):
-    assert own_weight(keep, share) == weight
 
 
 @pytest.mark.parametrize(

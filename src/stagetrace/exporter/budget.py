@@ -192,7 +192,7 @@ class AdjustedCounts:
 
 def own_weight(keep: Keep, healthy_share: float) -> float:
     """A trace's weight before the budget: a healthy sample stands for 1 / the share of healthy traces kept."""
-    return 1.0 / healthy_share if keep is Keep.HEALTHY_SAMPLE else 1.0  # kept with that share: never 0 then
+    return 1.0 / healthy_share if keep is Keep.HEALTHY_SAMPLE and 0.0 < healthy_share < 1.0 else 1.0
 
 
 def kind_of(root_name: str, route: str | None, bottleneck: str | None) -> Kind:
