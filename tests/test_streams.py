@@ -12,6 +12,7 @@ import random
 import socket
 import threading
 import time
+from collections import Counter
 
 import pytest
 from fastapi import FastAPI
@@ -454,11 +455,16 @@ def test_the_report_reads_streams_and_composites_back(make_harness, tmp_path, st
     assert doc["stages"]["decode_step"]["mean_ms"] == pytest.approx(mean_decode, rel=0.02)
     streams = doc["streams"]
     assert streams["streams"] == 3 and streams["chunks_mean"] == 40 and streams["disconnected"] == 0
-    assert streams["gap_bottlenecks"] == {"detokenize": 3}
-    assert streams["first_chunk_bottlenecks"] == {"prefill": 3}
+    # as the exporter judged each stream (on a loaded host a first chunk can wait longest for a worker thread,
+    # or a gap's CPU share fall under the rule's: the report must say what the verdicts said, whatever that was)
+    said = [v.stream for v in verdicts]
+    assert streams["gap_bottlenecks"] == dict(Counter(s.gap_bottleneck for s in said))
+    assert streams["first_chunk_bottlenecks"] == dict(Counter(s.first_chunk_bottleneck for s in said))
+    assert Counter(s.gap_bottleneck for s in said)["detokenize"] >= 2  # the slow detokenizer shows
     first = sorted(v.stream.first_chunk_ms for v in verdicts)
     assert streams["first_chunk_ms"]["p50"] == pytest.approx(first[1], rel=0.02)
-    assert doc["diagnoses"].get("STREAM_CPU_BOUND") == 3
+    cpu_bound = sum("STREAM_CPU_BOUND" in v.diagnosis_codes for v in verdicts)
+    assert cpu_bound >= 1 and doc["diagnoses"].get("STREAM_CPU_BOUND") == cpu_bound
     text = io.StringIO()
     assert run_report([str(tmp_path / "t.jsonl")], out=text, err=io.StringIO()) == 0
     assert "Streams (3, 40 chunks on average, 0 disconnected)" in text.getvalue()
