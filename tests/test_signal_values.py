@@ -434,3 +434,18 @@ def test_a_block_that_ended_at_the_windows_start_or_began_at_its_end_does_not_ov
     assert names(10 * MS + 1, 20 * MS - 1) == ["b"]
     assert names(10 * MS - 1, 20 * MS + 1) == ["a", "b", "c"]
     assert blocks.overlapping(9, 0, 100 * MS) == []
+
+
+def test_two_schedstat_readings_read_back_as_cpu_ms_runqueue_ms_and_slices():
+    import pytest
+
+    from stagetrace.common.schedstat import schedstat_delta
+
+    # 3,500,000 - 1,000,000 ns on the CPU = 2.5 ms; 1,250,000 - 250,000 ns queued = 1.0 ms; 9 - 4 slices
+    assert schedstat_delta(b"1000000 250000 4\n", b"3500000 1250000 9\n") == (2.5, 1.0, 5)
+    # a kernel giving two fields: no slice count; one reading with three and one with two: none either
+    assert schedstat_delta(b"0 0", b"2000000 0") == (2.0, 0.0, None)
+    assert schedstat_delta(b"0 0 1", b"2000000 0") == (2.0, 0.0, None)
+    for start, end in ((b"1", b"2 3"), (b"1 2", b""), (b"1 x 3", b"2 3 4")):
+        with pytest.raises(ValueError):
+            schedstat_delta(start, end)

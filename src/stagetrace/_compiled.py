@@ -34,6 +34,7 @@ COMPILED_MODULES = (
     "stagetrace.analysis.streams",
     "stagetrace.analysis.thresholds",
     "stagetrace.analysis.verdict",
+    "stagetrace.common.decimals",
     "stagetrace.common.schedstat",
     "stagetrace.common.wire",
     "stagetrace.exporter.aggregation",

@@ -203,6 +203,29 @@ def test_the_verdict_carries_its_trace_and_signals():
     assert (bare.gpu_utilization, bare.gil_pressure_ms, bare.loop_lag_ms) == (None, None, None)
 
 
+def test_a_verdict_built_through_its_slots_is_the_frozen_dataclass_with_every_field_set():
+    """build_verdict fills the slots directly (analysis/verdict.py, _new_verdict): every field set, the class's
+    own equality and frozenness intact; a field misnamed fails at once, one left out where it is read."""
+    import dataclasses
+
+    from stagetrace.analysis import Verdict
+    from stagetrace.analysis.verdict import _new_verdict
+
+    a = analysis(10.0, {"a": 6.0}, untracked_ms=4.0, kinds={"a": "cpu"})
+    v = build_verdict(trace_id="abc", root_name="r", analysis=a, diagnoses=(), route="/x")
+    fields = {f.name: getattr(v, f.name) for f in dataclasses.fields(Verdict)}  # every slot readable
+    assert v == Verdict(**fields) and type(v) is Verdict
+    assert (v.total_ms, v.untracked_ms, v.route, v.process_cpus, v.stage_kinds) == (10.0, 4.0, "/x", None, {"a": "cpu"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        v.route = "/y"  # type: ignore[misc]
+    missing = dict(fields)
+    del missing["route"]
+    with pytest.raises(AttributeError, match="route"):
+        _new_verdict(**missing).route  # noqa: B018
+    with pytest.raises(KeyError, match="rout"):
+        _new_verdict(**fields, rout="/x")
+
+
 def test_a_shipped_batch_field_must_be_a_tuple_of_six_to_ten_values():
     from stagetrace.analysis.model import batch_info
 

@@ -151,17 +151,15 @@ def analyse_trace(
     ratio = 0.0
     if bottleneck is not None and total_ms > 0:
         ratio = min(1.0, max(0.0, bottleneck_ms / total_ms))
-    return TraceAnalysis(
-        total_ms=total_ms,
-        breakdown=breakdown,
-        bottleneck=bottleneck,
-        ratio=ratio,
-        slow=total_ms > slow_threshold_ms,
-        slow_threshold_ms=slow_threshold_ms,
-        untracked_ms=untracked_ms,
-        stage_kinds=kinds,
-        charged_ms=tuple(charged),
-    )
+    # (positional, in the fields' order: keyword construction runs the named tuple's Python __new__)
+    return _new_analysis(
+        TraceAnalysis,
+        (total_ms, breakdown, bottleneck, ratio, total_ms > slow_threshold_ms, slow_threshold_ms, untracked_ms,
+         kinds, tuple(charged)),
+    )  # fmt: skip
+
+
+_new_analysis = tuple.__new__
 
 
 def _covered_with_composites(stages: Sequence[StageLike], clipped: Sequence[tuple[int, int] | None]) -> int:

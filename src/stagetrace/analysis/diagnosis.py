@@ -73,6 +73,12 @@ class Signal(enum.Enum):
     STAGE_CPU = "per-stage CPU readings (schedstat or the thread's CPU clock) on a CPU stage of min_stage_ms or more"
     GPU_UTILIZATION = "NVML utilisation over the trace"
     STREAM = "a streamed response"
+    # What a trace's stages hold: a rule about a kind of stage is not run on the many traces without one (each
+    # run costs the exporter a call and its reads on every trace).
+    H2D_STAGE = "a host-to-device copy stage"
+    WAIT_STAGE = "a wait stage"
+    BATCH = "a stage a batcher ran or formed (its batch fields)"
+    OFFLOAD = "a call handed to a process pool"
 
 
 @dataclass(frozen=True, slots=True)
@@ -585,6 +591,7 @@ RULES: tuple[DiagnosisRule, ...] = (
             "Copy from pinned memory: tensor.pin_memory() or a reusable pinned staging buffer, then "
             ".to(device, non_blocking=True). A pageable source makes the copy synchronous and slower."
         ),
+        requires=frozenset({Signal.H2D_STAGE}),
         thresholds=("pageable_min_bytes",),
     ),
     DiagnosisRule(
@@ -669,6 +676,7 @@ RULES: tuple[DiagnosisRule, ...] = (
             "The request waited for a worker thread or a batch slot. Raise the limit (anyio thread limiter, "
             "batch size), scale out, or shed load earlier."
         ),
+        requires=frozenset({Signal.WAIT_STAGE}),
         thresholds=("queueing_ms", "queueing_share"),
     ),
     DiagnosisRule(
@@ -680,6 +688,7 @@ RULES: tuple[DiagnosisRule, ...] = (
             "(less work a task, smaller chunks), or shed load before the pool; where the workers wait for CPUs "
             "themselves (WORKER_OVERSUBSCRIBED) more workers will not help."
         ),
+        requires=frozenset({Signal.OFFLOAD}),
         thresholds=("pool_saturated_share", "pool_saturated_min_ms"),
     ),
     DiagnosisRule(
@@ -691,6 +700,7 @@ RULES: tuple[DiagnosisRule, ...] = (
             "memory for large arrays (multiprocessing.shared_memory, a torch tensor's share_memory_()); return "
             "only what the request needs; batch small calls (Executor.map with a chunksize)."
         ),
+        requires=frozenset({Signal.OFFLOAD}),
         thresholds=("ipc_share", "ipc_min_ms", "ipc_payload_bytes"),
     ),
     DiagnosisRule(
@@ -713,6 +723,7 @@ RULES: tuple[DiagnosisRule, ...] = (
             "modules, a no-op call a worker at start-up), prefer fork or forkserver with the modules preloaded, "
             "and keep max_tasks_per_child from recycling workers under load."
         ),
+        requires=frozenset({Signal.OFFLOAD}),
         thresholds=("cold_start_share", "cold_start_min_ms"),
     ),
     DiagnosisRule(
@@ -722,6 +733,7 @@ RULES: tuple[DiagnosisRule, ...] = (
             "The request spent most of its time waiting for its batch to form. Shorten the batcher's max wait "
             "(or make it adaptive to the arrival rate): at this load a batch does not fill before it expires."
         ),
+        requires=frozenset({Signal.BATCH}),
         thresholds=("batch_wait_share", "batch_wait_min_ms"),
     ),
     DiagnosisRule(
@@ -732,6 +744,7 @@ RULES: tuple[DiagnosisRule, ...] = (
             "time: the batcher, not the GPU, is the limit. Let batches fill (a longer max wait, a larger max "
             "size), run fewer batcher replicas per GPU, and move per-batch CPU work out of the batch loop."
         ),
+        requires=frozenset({Signal.BATCH}),
         thresholds=("gpu_starved_utilization", "queueing_ms", "batch_underfilled_fill", "batch_underfilled_gpu_share"),
     ),
     DiagnosisRule(
@@ -793,14 +806,24 @@ UNDETERMINED_BETWEEN: Mapping[str, tuple[str, ...]] = {
 
 
 def _available(stages: Sequence[StageLike], signals: TraceSignals, th: DiagnosisThresholds) -> frozenset[Signal]:
+    """What the trace carries of what the rules require, in one pass over its stages."""
     have = set()
-    # The per-stage CPU rules judge only CPU stages of min_stage_ms or more (``causes.cpu_stages``): a trace
-    # of short stages skips all four, as most traces do.
-    if any(
-        (s.blocked_ms is not None or s.runqueue_ms is not None) and s.kind == "cpu" and s.wall_ms >= th.min_stage_ms
-        for s in stages
-    ):
-        have.add(Signal.STAGE_CPU)
+    min_stage_ms = th.min_stage_ms
+    for s in stages:
+        kind = s.kind
+        # The per-stage CPU rules judge only CPU stages of min_stage_ms or more (``causes.cpu_stages``): a
+        # trace of short stages skips all four, as most traces do.
+        if kind == "cpu":
+            if (s.blocked_ms is not None or s.runqueue_ms is not None) and s.wall_ms >= min_stage_ms:
+                have.add(Signal.STAGE_CPU)
+        elif kind == "wait":
+            have.add(Signal.WAIT_STAGE)
+        elif kind == "h2d":
+            have.add(Signal.H2D_STAGE)
+        if s.batch is not None:
+            have.add(Signal.BATCH)
+        if s.offload is not None:
+            have.add(Signal.OFFLOAD)
     if signals.gpu_utilization is not None:
         have.add(Signal.GPU_UTILIZATION)
     if signals.stream is not None:

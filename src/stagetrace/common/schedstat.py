@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from stagetrace.common.decimals import round_to
+
 # A woken thread is off-CPU a little past its timer (timer slack, the wake-up path) and, in a GIL handoff, past
 # the other thread's wake-up on another CPU, which on a virtual machine can take most of a millisecond
 # (measured: a pure-Python stage beside a thread spinning in Python, 35.5 ms blocked in 6 schedulings, 5.9 ms a
@@ -17,10 +19,12 @@ GIL_WAIT_MARGIN_MS = 1.5
 def schedstat_delta(start: bytes, end: bytes) -> tuple[float, float, int | None]:
     """On-CPU ms, run-queue ms and times scheduled in (None where the kernel gives only two fields) between
     two reads of a thread's schedstat; ValueError on anything else."""
-    s_cpu, s_rq, *s_rest = start.split()
-    e_cpu, e_rq, *e_rest = end.split()
-    slices = int(e_rest[0]) - int(s_rest[0]) if s_rest and e_rest else None
-    return (int(e_cpu) - int(s_cpu)) / 1e6, (int(e_rq) - int(s_rq)) / 1e6, slices
+    # (every stage of every trace: indexing, where unpacking into a starred name built a list a reading)
+    s, e = start.split(), end.split()
+    if len(s) < 2 or len(e) < 2:
+        raise ValueError("a schedstat reading has at least two fields")
+    slices = int(e[2]) - int(s[2]) if len(s) > 2 and len(e) > 2 else None
+    return (int(e[0]) - int(s[0])) / 1e6, (int(e[1]) - int(s[1])) / 1e6, slices
 
 
 def not_gil_ms(blocked_ms: float, slices: int, gil_wait_bound_ms: float) -> float:
@@ -64,4 +68,4 @@ def loop_held_ms(
         return None
     blocked_ms = max(0.0, elapsed_ms - cpu_ms - rq_ms)
     in_calls_ms = not_gil_ms(blocked_ms, slices, gil_wait_bound_ms)
-    return round(min(lag_ms, max(0.0, cpu_ms + in_calls_ms - interval_ms)), 3)
+    return round_to(min(lag_ms, max(0.0, cpu_ms + in_calls_ms - interval_ms)), 3)

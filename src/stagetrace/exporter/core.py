@@ -27,6 +27,7 @@ from stagetrace.analysis.streams import summarise_stream
 from stagetrace.analysis.verdict import judge
 from stagetrace.common import wire
 from stagetrace.common.cpus import usable_cpus
+from stagetrace.common.decimals import round_to
 from stagetrace.exporter import signals as sig
 from stagetrace.exporter import spans as sp
 from stagetrace.exporter.budget import AdjustedCounts, BudgetLimits, ExportBudget, kind_of, own_weight, signature_of
@@ -329,7 +330,7 @@ class ExporterCore:
                     root,
                     verdict,
                     keep_query_strings=self.settings.record_query_strings,
-                    extra={c.SAMPLING_ADJUSTED_COUNT: round(adjusted_count, 6)},
+                    extra={c.SAMPLING_ADJUSTED_COUNT: round_to(adjusted_count, 6)},
                 )
             )
             self.outputs.export(out)
@@ -413,7 +414,7 @@ class ExporterCore:
         )
         attributes = dict(root.attributes)
         if arrival.bound_ns is not None:
-            attributes[c.LOOP_ARRIVAL_BOUND_MS] = round(arrival.bound_ns / 1e6, 3)
+            attributes[c.LOOP_ARRIVAL_BOUND_MS] = round_to(arrival.bound_ns / 1e6, 3)
         unchanged = wire.replace_span(root, attributes=attributes) if arrival.bound_ns is not None else root
         if framework_start - arrival.start_ns < ARRIVAL_WAIT_MIN_NS:
             return unchanged, None
@@ -435,7 +436,7 @@ class ExporterCore:
             framework_start,
         )
         before.attributes = {c.BLOCKED_BY: names} if names else None
-        attributes[c.ROOT_SHIFTED_MS] = round((framework_start - arrival.start_ns) / 1e6, 3)
+        attributes[c.ROOT_SHIFTED_MS] = round_to((framework_start - arrival.start_ns) / 1e6, 3)
         attributes[c.ROOT_FRAMEWORK_START_NS] = root.start_ns
         return wire.replace_span(root, start_ns=arrival.start_ns + offset, attributes=attributes), before
 

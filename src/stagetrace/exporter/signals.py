@@ -12,6 +12,7 @@ from typing import Any
 
 from stagetrace.analysis.loopwait import LoopBlock
 from stagetrace.analysis.signals import ProcessLoad
+from stagetrace.common.decimals import round_to
 from stagetrace.common.schedstat import not_gil_ms, schedstat_delta
 from stagetrace.settings import GIL_MIN_SAMPLES, MIN_CPU_ACCOUNTED_NS
 
@@ -47,7 +48,7 @@ def resolve_cpu(stage: Any, gil_wait_bound_ms: float | None = None) -> None:
     wall_ns = stage.end_ns - stage.start_ns
     if wall_ns < MIN_CPU_ACCOUNTED_NS:
         return
-    # (every stage of every trace comes through here: comparisons, not max(), and one round() a figure)
+    # (every stage of every trace comes through here: comparisons, not max(), and one rounding a figure)
     wall_ms = stage.wall_ms if stage.compressed is not None else wall_ns / 1e6
     slices = None
     if kind is bytes:
@@ -57,18 +58,18 @@ def resolve_cpu(stage: Any, gil_wait_bound_ms: float | None = None) -> None:
             return
         if rq_ms < 0:
             rq_ms = 0.0
-        stage.runqueue_ms = round(rq_ms, 3)
+        stage.runqueue_ms = round_to(rq_ms, 3)
     elif kind is int:  # thread CPU clock only: run-queue time stays inside blocked_ms
         cpu_ms, rq_ms = (end - start) / 1e6, 0.0
     else:
         return
     if cpu_ms < 0:
         cpu_ms = 0.0
-    stage.cpu_ms = round(cpu_ms, 3)
+    stage.cpu_ms = round_to(cpu_ms, 3)
     blocked = wall_ms - cpu_ms - rq_ms
-    stage.blocked_ms = blocked = round(blocked, 3) if blocked > 0 else 0.0
+    stage.blocked_ms = blocked = round_to(blocked, 3) if blocked > 0 else 0.0
     if slices is not None and gil_wait_bound_ms is not None:
-        stage.not_gil_ms = round(not_gil_ms(blocked, slices, gil_wait_bound_ms), 3)
+        stage.not_gil_ms = round_to(not_gil_ms(blocked, slices, gil_wait_bound_ms), 3)
 
 
 def resolve_others(stage: Any, run_queue: LagSeries, cpu: LagSeries, offset_ns: int) -> None:
@@ -80,9 +81,9 @@ def resolve_others(stage: Any, run_queue: LagSeries, cpu: LagSeries, offset_ns: 
         return
     start_ns, end_ns = stage.start_ns + offset_ns, stage.end_ns + offset_ns
     if len(run_queue) and (total := cumulative_change(run_queue, start_ns, end_ns)) is not None:
-        stage.others_runqueue_ms = round(max(0.0, total - (stage.runqueue_ms or 0.0)), 3)
+        stage.others_runqueue_ms = round_to(max(0.0, total - (stage.runqueue_ms or 0.0)), 3)
     if len(cpu) and (total := cumulative_change(cpu, start_ns, end_ns)) is not None:
-        stage.others_cpu_ms = round(max(0.0, total - (stage.cpu_ms or 0.0)), 3)
+        stage.others_cpu_ms = round_to(max(0.0, total - (stage.cpu_ms or 0.0)), 3)
 
 
 def cumulative_change(series: LagSeries, start_ns: int, end_ns: int) -> float | None:
@@ -107,10 +108,14 @@ def _nearest(times: list[int], at_ns: int, tolerance_ns: int, *, start: bool) ->
     else:
         outer = bisect.bisect_left(times, at_ns)
         inner = outer - 1
-    found = [(abs(times[outer] - at_ns), 0, outer)] if 0 <= outer < len(times) else []
-    if 0 <= inner < len(times) and abs(times[inner] - at_ns) <= tolerance_ns:
-        found.append((abs(times[inner] - at_ns), 1, inner))  # a tie: the outer one
-    return min(found)[2] if found else None
+    n = len(times)
+    found = outer if 0 <= outer < n else None
+    if 0 <= inner < n:
+        distance = abs(times[inner] - at_ns)
+        # the inner one only if strictly nearer (a tie: the outer one)
+        if distance <= tolerance_ns and (found is None or distance < abs(times[outer] - at_ns)):
+            found = inner
+    return found
 
 
 def process_load(
@@ -142,9 +147,9 @@ def process_load(
     counts = in_flight.window(times[first], times[last])
     return ProcessLoad(
         cpus=cpus,
-        cpus_used=round(used_ms / span_ms, 3),
-        runnable=round((used_ms + queued_ms) / span_ms, 3),
-        requests=round(sum(counts) / len(counts), 2) if counts else None,
+        cpus_used=round_to(used_ms / span_ms, 3),
+        runnable=round_to((used_ms + queued_ms) / span_ms, 3),
+        requests=round_to(sum(counts) / len(counts), 2) if counts else None,
     )
 
 
@@ -252,7 +257,7 @@ def sampler_mean_ms(
         or (lags and sum(lags) >= min_samples * period_s * 1e3)
         or (proof_ms is not None and lags and max(lags) >= proof_ms)
     )
-    return round(sum(lags) / len(lags), 3) if measured else None
+    return round_to(sum(lags) / len(lags), 3) if measured else None
 
 
 def max_loop_lag_ms(series: LagSeries, start_ns: int, end_ns: int) -> float | None:
@@ -272,7 +277,7 @@ def max_loop_lag_ms(series: LagSeries, start_ns: int, end_ns: int) -> float | No
     worst = 0
     for t, lag_ms in zip(times[lo:hi], values[lo:hi]):
         worst = max(worst, min(t, end_ns) - max(t - int(lag_ms * 1e6), start_ns))
-    return round(worst / 1e6, 3)
+    return round_to(worst / 1e6, 3)
 
 
 class LoopBlockSeries:

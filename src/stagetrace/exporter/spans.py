@@ -17,6 +17,7 @@ from stagetrace._version import __version__
 from stagetrace.analysis import BatchInfo, Verdict
 from stagetrace.analysis.streams import gen_ai_latencies
 from stagetrace.common import wire
+from stagetrace.common.decimals import round_to
 from stagetrace.settings import MAX_LINKS_PER_SPAN
 
 
@@ -41,9 +42,9 @@ def stage_attributes(stage: Any, extra: dict[str, Any] | None = None) -> dict[st
     folded = stage.compressed
     if folded is not None:
         attrs[c.COMPRESSED_COUNT] = folded.occurrences
-        attrs[c.COMPRESSED_SUM_MS] = round(folded.sum_ns / 1e6, 3)
-        attrs[c.COMPRESSED_MIN_MS] = round(folded.min_ns / 1e6, 3)
-        attrs[c.COMPRESSED_MAX_MS] = round(folded.max_ns / 1e6, 3)
+        attrs[c.COMPRESSED_SUM_MS] = round_to(folded.sum_ns / 1e6, 3)
+        attrs[c.COMPRESSED_MIN_MS] = round_to(folded.min_ns / 1e6, 3)
+        attrs[c.COMPRESSED_MAX_MS] = round_to(folded.max_ns / 1e6, 3)
     elif stage.example:
         attrs[c.COMPRESSED_SLOWEST] = True
     if stage.attributes:
@@ -64,14 +65,14 @@ def batch_attributes(stage: Any) -> dict[str, Any]:
         c.BATCH_INDEX: b.member_index,
     }
     if b.formation_ms is not None:
-        attrs[c.BATCH_FORMATION_MS] = round(b.formation_ms, 3)
-        attrs[c.BATCH_BUSY_MS] = round(b.busy_ms or 0.0, 3)
+        attrs[c.BATCH_FORMATION_MS] = round_to(b.formation_ms, 3)
+        attrs[c.BATCH_BUSY_MS] = round_to(b.busy_ms or 0.0, 3)
     elif b.items:
         ms = stage.gpu_ms if stage.kind in c.GPU_KINDS and stage.gpu_ms is not None else stage.wall_ms
-        attrs[c.BATCH_SHARE_MS] = round(ms * b.member_items / b.items, 3)
+        attrs[c.BATCH_SHARE_MS] = round_to(ms * b.member_items / b.items, 3)
     if b.is_member_batch_stage and b.max_size:
         attrs[c.BATCH_MAX_SIZE] = b.max_size
-        attrs[c.BATCH_FILL] = round(b.fill or 0.0, 4)  # BatchInfo.fill: the formula written once
+        attrs[c.BATCH_FILL] = round_to(b.fill or 0.0, 4)  # BatchInfo.fill: the formula written once
     return attrs
 
 
@@ -161,10 +162,10 @@ def verdict_attributes(verdict: Verdict) -> dict[str, Any]:
         if field_name == "ratio" and verdict.bottleneck is None:
             continue  # a ratio of no bottleneck says nothing
         if value is not None:
-            attrs[key] = round(value, digits) if digits is not None else value
+            attrs[key] = round_to(value, digits) if digits is not None else value
     if verdict.breakdown:
         attrs[c.STAGES] = tuple(verdict.breakdown)
-        attrs[c.STAGES_MS] = tuple(round(v, 3) for v in verdict.breakdown.values())
+        attrs[c.STAGES_MS] = tuple(round_to(v, 3) for v in verdict.breakdown.values())
     if verdict.diagnoses:
         attrs[c.DIAGNOSIS] = verdict.diagnosis_codes
     stream = verdict.stream
@@ -172,10 +173,10 @@ def verdict_attributes(verdict: Verdict) -> dict[str, Any]:
         for field_name, key, _, digits in c.STREAM_FIELDS:
             value = getattr(stream, field_name)
             if value is not None:
-                attrs[key] = round(value, digits) if digits is not None else value
+                attrs[key] = round_to(value, digits) if digits is not None else value
         if verdict.gen_ai:
             latencies = gen_ai_latencies(stream, verdict.stage_kinds, verdict.total_ms, c.GPU_KINDS)
-            attrs.update(zip(GEN_AI_LATENCY_KEYS, (round(v, 6) for v in latencies)))
+            attrs.update(zip(GEN_AI_LATENCY_KEYS, (round_to(v, 6) for v in latencies)))
     return attrs
 
 

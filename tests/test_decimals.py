@@ -1,0 +1,96 @@
+"""``common.decimals.round_to`` is ``round(value, digits)``, float for float (sign of zero and type included):
+on ties and near-ties, at its limits, on values no arithmetic path takes, on random floats, and in the
+compiled build the exporter runs."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stagetrace import _compiled
+from stagetrace.common import decimals
+from stagetrace.common.decimals import round_to
+
+# fmt: off
+EDGES = [
+    0.0, -0.0, 0.0005, 0.0015, 0.0025, -0.0005, -0.0004, 0.0004999999999999999, 1.2345, 2.675, 1.0005,
+    0.1 + 0.2, 999.9995, 123456.7895, -123456.7895, 5e-324, 1e-300, 2.0**31 / 1000, 2.0**31 / 1000 - 0.0001,
+    2.0**31 / 1000 + 0.0001, 1e12, -1e12, 4.35, 0.125, 0.375, 2.5, 3.5, -2.5, 1e-7, 0.9999995, 1.9999995,
+    math.nan, math.inf, -math.inf,
+]
+# fmt: on
+
+
+def same(a: object, b: object) -> bool:
+    """Equal as ``repr`` tells them (so -0.0 is not 0.0, and NaN is NaN), of the same type."""
+    return type(a) is type(b) and repr(a) == repr(b)
+
+
+@pytest.mark.parametrize("digits", range(7))
+def test_round_to_is_round_on_ties_near_ties_limits_and_values_it_hands_back(digits):
+    for value in EDGES:
+        assert same(round_to(value, digits), round(value, digits)), (value, digits)
+    # the ties and their neighbours at this scale: n + 1/2 units of the last digit, a float either side
+    for n in (0, 1, 2, 7, 12345, 2**20, -1, -12346):
+        tie = (n + 0.5) / 10**digits
+        for value in (tie, math.nextafter(tie, math.inf), math.nextafter(tie, -math.inf)):
+            assert same(round_to(value, digits), round(value, digits)), (value, digits)
+
+
+def test_what_is_not_a_float_or_a_served_digit_count_goes_to_round_itself():
+    assert same(round_to(5, 3), 5) and same(round_to(True, 2), 1)
+    assert same(round_to(2.675, 7), round(2.675, 7)) and same(round_to(1234.5678, -2), 1200.0)
+
+
+@given(st.floats(allow_nan=False, allow_infinity=False), st.integers(0, 6))
+def test_round_to_is_round_on_any_float(value, digits):
+    assert same(round_to(value, digits), round(value, digits))
+
+
+@given(st.floats(-1e7, 1e7), st.integers(0, 6))
+def test_round_to_is_round_on_the_figures_the_exporter_rounds(value, digits):
+    assert same(round_to(value, digits), round(value, digits))
+
+
+def test_the_fast_path_serves_the_usual_figures():
+    """The arithmetic path, not ``round``, answers a stage's CPU milliseconds (else it saves nothing)."""
+    calls = []
+    real_round = round
+
+    def counting_round(value, digits=None):
+        calls.append(value)
+        return real_round(value, digits)
+
+    decimals.round = counting_round  # type: ignore[attr-defined]  # the module's global, read before the builtin
+    try:
+        assert round_to(12.3456789) == 12.346 and round_to(0.0123, 2) == 0.01
+    finally:
+        del decimals.round  # type: ignore[attr-defined]
+    assert calls == []
+
+
+@pytest.mark.skipif(
+    "stagetrace.common.decimals" not in _compiled.compiled_available() or _compiled.pure_python_forced(),
+    reason="the exporter's modules are not compiled on this install, or STAGETRACE_PURE_PYTHON=1",
+)
+def test_the_compiled_module_gives_the_same_floats():
+    script = (
+        "import math, random, sys\n"
+        "from stagetrace.common import decimals\n"
+        "assert not decimals.__file__.endswith('.py'), decimals.__file__\n"
+        f"values = {[v for v in EDGES if math.isfinite(v)]!r}\n"
+        "rng = random.Random(7)\n"
+        "values += [rng.uniform(-1e4, 1e4) for _ in range(20000)] + [rng.random() / 1000 for _ in range(20000)]\n"
+        "bad = [(v, d) for v in values for d in range(7) if repr(decimals.round_to(v, d)) != repr(round(v, d))]\n"
+        "sys.exit(f'differ: {bad[:5]}' if bad else 0)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != _compiled.PURE_PYTHON_VARIABLE}
+    env[_compiled.EXPORTER_VARIABLE] = "1"
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
