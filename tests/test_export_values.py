@@ -9,6 +9,7 @@ merge or a wrong eviction gives another answer."""
 
 from __future__ import annotations
 
+from collections import deque
 from time import time_ns
 from typing import Any
 
@@ -318,6 +319,25 @@ def test_the_recorder_keeps_each_call_with_its_arguments_in_order_and_replays_th
     again = MetricsRecorder()
     replay(again, [*calls, ("no_such_method", (1,))])  # an unknown name (a malformed message) is ignored
     assert again.take() == calls
+
+
+def test_a_call_recorded_while_the_recorder_is_taken_stays_for_the_next_take():
+    """Another thread's call landing mid-take is neither lost nor taken twice (the deque stands in for it)."""
+
+    class AppendsDuringTake(deque):  # type: ignore[type-arg]
+        def popleft(self) -> Any:
+            item = super().popleft()
+            if item[0] == "record_stage":
+                self.append(("dropped", ("late", 1)))
+            return item
+
+    recorder = MetricsRecorder()
+    recorder.calls = AppendsDuringTake()
+    recorder.record_stage("decode", "cpu", 1.5, "/r")
+    recorder.record_batch("infer", 2, None)
+    assert recorder.take() == [("record_stage", ("decode", "cpu", 1.5, "/r")), ("record_batch", ("infer", 2, None))]
+    assert recorder.take() == [("dropped", ("late", 1))]
+    assert recorder.take() == []
 
 
 def test_the_tee_gives_every_call_to_each_sink():

@@ -417,10 +417,11 @@ class MetricsRecorder:
         self.calls.append(("gpu_utilization", args))
 
     def take(self) -> list[tuple[str, tuple[Any, ...]]]:
-        calls, pop = [], self.calls.popleft
-        while self.calls:
-            calls.append(pop())
-        return calls
+        """The calls so far, oldest first; a call appended by another thread meanwhile stays for the next take.
+
+        Bounded by the length read once (never ``while self.calls``), so no edit of it can spin forever."""
+        pop = self.calls.popleft
+        return [pop() for _ in range(len(self.calls))]
 
 
 def replay(sink: MetricsSink, calls: list[tuple[str, tuple[Any, ...]]]) -> None:
