@@ -305,7 +305,9 @@ def test_profiler_works_without_configure():
 
 def test_cpu_accounting_is_skipped_for_stage_names_that_run_short(harness):
     rt = harness.handle.runtime
-    for _ in range(3):
+    seen = []  # (what the name's recent runs said before a run, the clock that run read)
+    for _ in range(20):  # a run the host slows (a collection, a preemption) keeps the name measured a while
+        before = rt.recent_stage_ms.get("tiny")
         with stagetrace.pipeline("p"):
             with stagetrace.stage("tiny") as tiny:
                 pass
@@ -313,9 +315,15 @@ def test_cpu_accounting_is_skipped_for_stage_names_that_run_short(harness):
                 end = time.perf_counter() + 0.003
                 while time.perf_counter() < end:
                     pass
-    assert isinstance(tiny.cpu_start, int)  # a short name: only the cheap thread CPU clock
-    assert isinstance(long_.cpu_start, bytes) and long_.cpu_end is not None  # schedstat for long names
-    assert rt.recent_stage_ms["tiny"] < 0.5 <= rt.recent_stage_ms["long"]
+        assert isinstance(long_.cpu_start, bytes) and long_.cpu_end is not None  # schedstat for long names
+        seen.append((before, type(tiny.cpu_start)))
+        if type(tiny.cpu_start) is int:
+            break
+    assert seen[0] == (None, bytes)  # a name not seen yet is measured in full
+    # each run chose by its name's recent runs: the cheap thread CPU clock only below 0.5 ms
+    assert all((kind is int) == (before is not None and before < 0.5) for before, kind in seen)
+    assert seen[-1][1] is int, seen
+    assert rt.recent_stage_ms["long"] >= 0.5
     spans = [s for s in harness.spans() if s.name == "long"]
     assert all(c.CPU_MS in s.attributes and c.RUNQUEUE_MS in s.attributes for s in spans)
 
