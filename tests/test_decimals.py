@@ -58,8 +58,32 @@ def test_round_to_is_round_on_the_figures_the_exporter_rounds(value, digits):
     assert same(round_to(value, digits), round(value, digits))
 
 
-def test_the_fast_path_serves_the_usual_figures():
-    """The arithmetic path, not ``round``, answers a stage's CPU milliseconds (else it saves nothing)."""
+MARGIN = 2.0**-20  # decimals._TIE_MARGIN, written out: a fraction this far from one half is no tie
+LARGEST = 2.0**31  # decimals._LARGEST_SCALED, written out
+
+
+@pytest.mark.parametrize(
+    ("value", "digits", "arithmetic"),
+    [
+        (12.3456789, 3, True),  # a stage's CPU milliseconds: the figures the path is for
+        (0.0123, 2, True),
+        (2.7, 0, True),  # no decimals is a served count
+        (-2.7, 6, True),
+        (2.675, 7, False),  # seven is not
+        (LARGEST - 1.0, 0, True),  # the largest products the path takes, either sign
+        (-(LARGEST - 1.0), 0, True),
+        (LARGEST, 0, False),  # from here on round() itself
+        (-LARGEST, 0, False),
+        (0.5 + MARGIN, 0, False),  # the ends of the tie margin go to round(), past them the path rounds
+        (0.5 - MARGIN, 0, True),
+        (0.5 + 2 * MARGIN, 0, True),
+        (2.5, 0, False),
+        (-2.5, 0, False),
+    ],
+)
+def test_which_figures_the_arithmetic_path_answers_and_which_it_leaves_to_round(value, digits, arithmetic):
+    """The arithmetic path answers the usual figures (else it saves nothing) and hands round() the rest: its
+    limits are where they are documented, so that a wrong limit shows here and not only as a slower exporter."""
     calls = []
     real_round = round
 
@@ -69,10 +93,19 @@ def test_the_fast_path_serves_the_usual_figures():
 
     decimals.round = counting_round  # type: ignore[attr-defined]  # the module's global, read before the builtin
     try:
-        assert round_to(12.3456789) == 12.346 and round_to(0.0123, 2) == 0.01
+        assert same(round_to(value, digits), real_round(value, digits))
     finally:
         del decimals.round  # type: ignore[attr-defined]
-    assert calls == []
+    assert (calls == []) is arithmetic, calls
+
+
+def test_three_decimals_unless_told_otherwise():
+    """The exporter's figures are milliseconds to the microsecond: three decimals is the default."""
+    assert same(round_to(12.3456789), 12.346) and same(round_to(-0.0004), -0.0) and same(round_to(-0.0), -0.0)
+
+
+def test_the_margins_written_here_are_the_modules():
+    assert (decimals._TIE_MARGIN, decimals._LARGEST_SCALED) == (MARGIN, LARGEST)
 
 
 @pytest.mark.skipif(

@@ -7,5 +7,5 @@ cdef tuple _SCALES
 cdef double _LARGEST_SCALED, _TIE_MARGIN
 
 
-@cython.locals(v=cython.double, scale=cython.double, scaled=cython.double, whole=cython.longlong, fraction=cython.double)
+@cython.locals(v=cython.double, scale=cython.double, scaled=cython.double, whole=cython.longlong, past_half=cython.double)
 cpdef object round_to(object value, int digits=*)

@@ -18,7 +18,9 @@ _SCALES = (1.0, 10.0, 100.0, 1000.0, 10000.0, 100000.0, 1000000.0)  # exact: 10*
 # Past this a product's rounding error nears the tie margin below: ``round`` itself (and it takes NaN and
 # infinities, which no comparison lets through).
 _LARGEST_SCALED = 2.0**31
-_TIE_MARGIN = 1e-6  # the products' error stays under 2.4e-7 below _LARGEST_SCALED
+# A float that a fraction's distance from one half can equal (a power of two), so that both ends of the margin
+# are reachable; the products' error stays under 2.4e-7 below _LARGEST_SCALED
+_TIE_MARGIN = 2.0**-20
 
 
 def round_to(value: float, digits: int = 3) -> float:
@@ -27,21 +29,17 @@ def round_to(value: float, digits: int = 3) -> float:
     Compiled, ``decimals.pxd`` makes the locals C doubles and integers: plain arithmetic, no call."""
     if type(value) is not float or not 0 <= digits < len(_SCALES):
         return round(value, digits)
-    if value == 0.0:
-        return value  # +0.0 or -0.0, as round() gives it back (many figures are zero: nothing waited)
     v = value
     scale = _SCALES[digits]
     scaled = v * scale
     if not -_LARGEST_SCALED < scaled < _LARGEST_SCALED:
         return round(value, digits)
-    whole = int(scaled)  # toward zero, exact here
-    if whole > scaled:
-        whole -= 1  # the floor, for a negative value
-    fraction = scaled - whole
-    if -_TIE_MARGIN < fraction - 0.5 < _TIE_MARGIN:
-        return round(value, digits)  # at or near a tie: round half to even on the exact value
-    if fraction > 0.5:
+    whole = int(scaled // 1.0)  # the floor, exact here
+    past_half = scaled - whole - 0.5  # exact near a tie (a difference of floats within a factor of two)
+    if past_half > _TIE_MARGIN:
         whole += 1
+    elif past_half > -_TIE_MARGIN:
+        return round(value, digits)  # at or near a tie: round half to even on the exact value
     if whole == 0:
-        return -0.0 if v < 0 else 0.0  # as round(): the sign of the value it rounded
+        return v * 0.0  # as round(): a zero with the sign of the value it rounded (-0.0 for -0.0)
     return whole / scale
