@@ -120,7 +120,8 @@ class DiagnosisBudget:
             budget = max(MIN_CPU, self.cpu_share * application)
             wanted = diagnosing / self._diagnosed * self._traces  # every trace diagnosed
             room = budget - (used - diagnosing)
-            target = 1.0 if wanted <= room else max(MIN_SHARE, room / wanted)
+            # (diagnoses the CPU clock saw take no time cost nothing: every trace, even with no room left)
+            target = 1.0 if wanted <= max(0.0, room) else max(MIN_SHARE, room / wanted)
             # Down at once (the budget holds within a window), up by half the way (no swing with the load).
             self.share = target if target < self.share else min(1.0, self.share + (target - self.share) / 2)
         self._window_start, self._window_clocks = now, clocks
