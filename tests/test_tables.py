@@ -78,5 +78,5 @@ def test_a_verdict_reads_back_as_written():
     assert read.stage_kinds == verdict.stage_kinds
 
 
-def test_shipped_stage_types_every_wire_field():
-    assert tuple(wire.ShippedStage.__annotations__) == wire.STAGE_FIELDS
+def test_shipped_stage_types_every_wire_field_and_every_derived_one():
+    assert tuple(wire.ShippedStage.__annotations__) == wire.STAGE_FIELDS + wire.DERIVED_STAGE_FIELDS

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
@@ -114,6 +114,13 @@ class ShippedStage:
     example: bool
     worker_pid: int | None
     offload: Any  # OffloadFields as shipped; OffloadInfo once the exporter placed its children (exporter/offload.py)
+    # the DERIVED_STAGE_FIELDS, None until the exporter resolves them (exporter/signals.py)
+    cpu_ms: float | None
+    runqueue_ms: float | None
+    blocked_ms: float | None
+    not_gil_ms: float | None
+    others_runqueue_ms: float | None
+    others_cpu_ms: float | None
 
     def __init__(self, fields: Sequence[Any]) -> None:
         if len(fields) != len(STAGE_FIELDS):
@@ -238,12 +245,13 @@ def unpack_trace(msg: Sequence[Any]) -> ShippedTrace:
         raise ValueError("malformed worker runs")
     if t.gen_ai is not None and not isinstance(t.gen_ai, dict):
         raise ValueError("malformed gen_ai record")
-    as_sent: Sequence[Any] = cast(Sequence[Any], t.stages)  # still the sender's tuples until built here
-    fields = list(t)
-    fields[_TRACE_ROOT] = check_span(t.root)
-    fields[_TRACE_STAGES] = [ShippedStage(st) for st in as_sent]
-    fields[_TRACE_OTHERS] = [check_span(span) for span in t.others]
-    fields[_TRACE_STREAM] = stream_fields(t.stream)
+    # The root, stages, other spans and stream are still the sender's tuples until built here: read from the
+    # message, not through the record, whose annotations name what they become (mypyc would check them).
+    fields = list(msg[1:])
+    fields[_TRACE_ROOT] = check_span(fields[_TRACE_ROOT])
+    fields[_TRACE_STAGES] = [ShippedStage(st) for st in fields[_TRACE_STAGES]]
+    fields[_TRACE_OTHERS] = [check_span(span) for span in fields[_TRACE_OTHERS]]
+    fields[_TRACE_STREAM] = stream_fields(fields[_TRACE_STREAM])
     return _as_shipped_trace(ShippedTrace, fields)  # what _replace does, without its per-field Python loop
 
 
@@ -285,7 +293,9 @@ SPAN_FIELDS = WireSpan._fields
 # A WireSpan from a tuple in its order, in one C call (``WireSpan._make`` and keyword construction run Python
 # code: the exporter makes one per span of every trace, and one per stage span it builds).
 _as_wire_span = tuple.__new__
-SPAN_INDEX = {name: i for i, name in enumerate(SPAN_FIELDS)}  # for the encoder's index reads on its hot path
+# For the encoder's index reads on its hot path (annotated: mypyc, which benchmarks/exporter_cost.py tries,
+# infers no type for it across modules)
+SPAN_INDEX: dict[str, int] = {name: i for i, name in enumerate(SPAN_FIELDS)}
 _SPAN_COUNTS = tuple(SPAN_INDEX[f] for f in ("dropped_attributes", "dropped_events", "dropped_links"))
 _LINKS = SPAN_INDEX["links"]
 

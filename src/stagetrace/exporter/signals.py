@@ -50,7 +50,9 @@ def resolve_cpu(stage: Any, gil_wait_bound_ms: float | None = None) -> None:
         return
     # (every stage of every trace comes through here: comparisons, not max(), and one rounding a figure)
     wall_ms = stage.wall_ms if stage.compressed is not None else wall_ns / 1e6
-    slices = None
+    cpu_ms: float
+    rq_ms: float
+    slices: int | None = None
     if kind is bytes:
         try:
             cpu_ms, rq_ms, slices = schedstat_delta(start, end)
