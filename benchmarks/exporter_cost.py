@@ -3,6 +3,7 @@ and OTLP bytes of an exported one.
 
     python benchmarks/exporter_cost.py [--requests 300] [--rounds 5]
     python benchmarks/exporter_cost.py --instructions        # valgrind: instructions a trace
+    python benchmarks/exporter_cost.py --instructions --mypyc  # and the same modules compiled by mypyc
 
 The messages come from the endpoint of ``benchmarks/e2e.py`` (a FastAPI route of six stages), served in
 process by Starlette's TestClient with the exporter's work on a thread (``STAGETRACE_EXPORT_PROCESS=off``)
@@ -22,11 +23,19 @@ CPU time a trace is the median of ``--rounds`` rounds (this VM moves it by +-20 
 ``--instructions`` counts instructions instead (valgrind's callgrind, the replay at ``--reps`` and twice as
 many passes over the recorded traces, the difference divided by the traces, so start-up cancels), which
 moves by a few per cent at most. Needs ``apt-get install valgrind``.
+
+Each row compares the sources with the installed build (Cython); ``--mypyc`` adds the same modules compiled
+by mypyc in a copy, the other compiler the issue asked to weigh. mypyc enforces the annotations and lays out
+classes natively at run time, so code that Cython compiles as it is must suit it first: on 2026-12-06 the
+replay stopped at ``analysis/verdict.py``'s ``object.__new__(Verdict)`` (the slots-filled construction that
+Cython keeps cheap) after three annotation fixes, and no mypyc figure exists yet (docs/performance.md).
+A replay whose traces raise inside the core fails the benchmark rather than print its count.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import marshal
 import os
 import pickle
@@ -132,6 +141,14 @@ def replay(path: str, mode: str, passes: int, rounds: int = 1) -> list[float]:
         def flush(self, timeout_s: float) -> bool:
             return True
 
+    class Complaints(logging.Handler):
+        count = 0
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.count += 1
+
+    complaints = Complaints(logging.WARNING)  # a contained error or a skipped record: the count would lie
+    logging.getLogger("stagetrace").addHandler(complaints)
     sink = EncodingSink()
     core = ExporterCore(settings, LocalOutputs(spans=sink, metrics=metrics))
     frames = [marshal.dumps(messages[i : i + FRAME]) for i in range(0, len(messages), FRAME)]
@@ -151,6 +168,8 @@ def replay(path: str, mode: str, passes: int, rounds: int = 1) -> list[float]:
         t0 = time.process_time()
         run(passes)
         out.append((time.process_time() - t0) / (passes * traces))
+    if complaints.count:
+        raise SystemExit(f"the exporter's core complained {complaints.count} times (its messages above)")
     if mode == "exported" and sink.spans == 0:
         raise SystemExit("exported mode exported nothing")
     if mode == "verdict" and sink.kept_traces > 0.05 * traces * passes * rounds:
@@ -166,9 +185,51 @@ BUILDS = {
 }
 
 
+# With --mypyc: a third build, the same modules compiled by mypyc instead of Cython, in a copy of the sources
+# whose src directory goes first on PYTHONPATH (the issue's choice between the two, measured on one recording).
+MYPYC_SRC_VARIABLE = "_EXPORTER_COST_MYPYC_SRC"
+
+
 def replay_env(build: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("STAGETRACE_PURE_PYTHON", "_STAGETRACE_EXPORTER_PROCESS")}
+    if build == "mypyc":
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (os.environ[MYPYC_SRC_VARIABLE], env.get("PYTHONPATH"))))
+        return {**env, **BUILDS["compiled"], "PYTHONHASHSEED": "0"}
     return {**env, **BUILDS[build], "PYTHONHASHSEED": "0"}
+
+
+def build_with_mypyc(scratch: str) -> tuple[str, list[str]]:
+    """A copy of ``src/stagetrace`` in ``scratch`` with the modules of ``stagetrace._compiled`` compiled by mypyc
+    (its default optimisation, annotations as native types); returns the copy's src directory and the modules
+    mypyc could not compile, left as sources in the copy (mypyc refuses some constructs Cython takes, such as
+    a class that subclasses ``list``: each refusal names its module, which the next attempt leaves out)."""
+    from stagetrace._compiled import COMPILED_MODULES
+
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "src")
+    copy = os.path.join(scratch, "src")
+    shutil.copytree(
+        os.path.join(src, "stagetrace"),
+        os.path.join(copy, "stagetrace"),
+        ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__"),
+    )
+    paths = [name.replace(".", "/") + ".py" for name in COMPILED_MODULES]
+    script = (
+        "import sys\nfrom setuptools import setup\nfrom mypyc.build import mypycify\n"
+        "setup(name='stagetrace_mypyc', script_args=['build_ext', '--inplace'],"
+        " ext_modules=mypycify(['--ignore-missing-imports', *sys.argv[1:]], group_name='stagetrace_exporter'))\n"
+    )
+    left_out: list[str] = []
+    while paths:
+        built = subprocess.run([sys.executable, "-c", script, *paths], cwd=copy, capture_output=True, text=True)
+        if not built.returncode:
+            return copy, left_out
+        refused = {line.split(":", 1)[0] for line in built.stdout.splitlines() if ": error:" in line}
+        if not refused & set(paths):
+            sys.stderr.write(built.stdout[-6000:] + built.stderr[-6000:])
+            raise SystemExit("mypyc could not build the exporter's modules (its messages above)")
+        left_out += sorted(refused & set(paths))
+        paths = [path for path in paths if path not in refused]
+    raise SystemExit("mypyc compiled none of the exporter's modules")
 
 
 def count_instructions(path: str, mode: str, passes: int, build: str = "sources") -> int:
@@ -200,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passes", type=int, default=10, help="passes over the recorded traces a round")
     ap.add_argument("--instructions", action="store_true", help="count instructions under valgrind instead")
     ap.add_argument("--reps", type=int, default=2, help="with --instructions: passes of the smaller run")
+    ap.add_argument("--mypyc", action="store_true", help="also the modules compiled by mypyc (in a copy)")
     ap.add_argument("--record", nargs=4, metavar=("VARIANT", "REQUESTS", "PATH", "CONTENDED"), help=argparse.SUPPRESS)
     ap.add_argument("--replay", nargs="+", metavar="PATH MODE PASSES [ROUNDS]", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -217,15 +279,24 @@ def main(argv: list[str] | None = None) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))
     os.environ["PYTHONPATH"] = env["PYTHONPATH"]
-    from stagetrace._compiled import compiled_available
+    from stagetrace._compiled import COMPILED_MODULES, compiled_available
 
-    builds = ("sources", "compiled") if compiled_available() else ("sources",)
+    builds: tuple[str, ...] = ("sources", "compiled") if compiled_available() else ("sources",)
+    scratch = tempfile.TemporaryDirectory(prefix="exporter-cost-mypyc-")
+    if args.mypyc:
+        os.environ[MYPYC_SRC_VARIABLE], refused = build_with_mypyc(scratch.name)
+        builds += ("mypyc",)
+        print(f"mypyc compiled {len(COMPILED_MODULES) - len(refused)} of {len(COMPILED_MODULES)} modules", end="")
+        print(f"; left as sources: {', '.join(refused)}" if refused else "")
     unit = "instructions" if args.instructions else "us of CPU"
     print(f"the exporter's work a trace, {unit} (python {sys.version.split()[0]}), {' and '.join(builds)}")
-    headers = [f"{mode} ({build})" for mode in MODES for build in builds]
-    if len(builds) == 2:
-        headers = [h for mode in MODES for h in (f"{mode} (sources)", f"{mode} (compiled)", "compiled / sources")]
-    print(f"| variant | {' | '.join(headers)} | exported over verdict ({builds[-1]}) |")
+    names = {"sources": "sources", "compiled": "Cython", "mypyc": "mypyc"}
+    headers = []
+    for mode in MODES:
+        headers += [f"{mode} ({names[build]})" for build in builds]
+        headers += [f"{names[build]} / sources" for build in builds[1:]]
+    kept = "compiled" if "compiled" in builds else "sources"  # the build installs run
+    print(f"| variant | {' | '.join(headers)} | exported over verdict ({names[kept]}) |")
     print("|---|" + "---:|" * (len(headers) + 1))
     with tempfile.TemporaryDirectory() as directory:
         for (variant, contended), label in RECORDINGS.items():
@@ -256,10 +327,10 @@ def main(argv: list[str] | None = None) -> int:
             cells = []
             for mode in MODES:
                 cells += [fmt(figures[mode, build]) for build in builds]
-                if len(builds) == 2:
-                    cells.append(f"{figures[mode, 'compiled'] / figures[mode, 'sources']:.2f}")
-            extra = figures["exported", builds[-1]] - figures["verdict", builds[-1]]
+                cells += [f"{figures[mode, build] / figures[mode, 'sources']:.2f}" for build in builds[1:]]
+            extra = figures["exported", kept] - figures["verdict", kept]
             print(f"| {label} | {' | '.join(cells)} | {fmt(extra)} |")
+    scratch.cleanup()
     return 0
 
 
