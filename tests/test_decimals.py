@@ -74,7 +74,7 @@ LARGEST = 2.0**31  # decimals._LARGEST_SCALED, written out
         (-(LARGEST - 1.0), 0, True),
         (LARGEST, 0, False),  # from here on round() itself
         (-LARGEST, 0, False),
-        (0.5 + MARGIN, 0, False),  # the ends of the tie margin go to round(), past them the path rounds
+        (0.5 + MARGIN, 0, False),  # the margin's upper end goes to round(); its lower end and past either, the path
         (0.5 - MARGIN, 0, True),
         (0.5 + 2 * MARGIN, 0, True),
         (2.5, 0, False),
@@ -105,6 +105,8 @@ def test_three_decimals_unless_told_otherwise():
 
 
 def test_the_margins_written_here_are_the_modules():
+    """The cases above write the limits out (a test reading them from the module would move with a wrong one):
+    this keeps those copies the module's."""
     assert (decimals._TIE_MARGIN, decimals._LARGEST_SCALED) == (MARGIN, LARGEST)
 
 

@@ -37,7 +37,7 @@ def test_a_signatures_first_trace_in_minute_one_is_its_slowest_however_fast():
     """A signature never seen before has seen no minute yet: its first trace is the slowest of whatever minute
     it arrives in, minute 1 included (a state that started at minute 1 would take it for a repeat). With 1
     token, under a slow trace's reserve (1 + 0.25 x 1), only the slowest of its minute gets through: a trace of
-    no slowness at t=60 s is kept and overdraws the global bucket to 0."""
+    no slowness at t=60 s is kept and takes the global bucket's last token."""
     budget = ExportBudget(BudgetLimits(per_s=1.0, burst=1.0), now=0.0)
     assert budget.admit(Keep.SLOW, A, 0.0, now=60.0) is Keep.SLOW
     assert budget.global_bucket.tokens == 0.0
@@ -89,8 +89,8 @@ def test_a_window_after_one_with_nothing_diagnosed_starts_from_nothing():
 def test_the_budget_is_a_share_of_the_applications_cpu_in_the_window_not_since_its_start():
     """The application had used 10 s of CPU before the window and 1 s in it: the budget is 0.5 x 1 CPU = 0.5
     (not 0.5 x 21). Two traces, one diagnosed in 0.2 s: every trace diagnosed wants 0.4 CPU, the exporter's
-    other work (0.5 - 0.2 = 0.3 CPU) leaves 0.2, so half of them. Exact: every figure here is exact in
-    binary (0.5 - 0.2 = 0.3 and 0.5 - 0.3 = 0.2 round to the doubles of 0.3 and 0.2)."""
+    other work (0.5 - 0.2 = 0.3 CPU) leaves 0.2, so half of them. Compared exactly: room / wanted is
+    double(0.2) / (2 x double(0.2)), exactly 0.5, where a budget off by 1e-9 would not be."""
     b = DiagnosisBudget(0.5, 0.0, CpuClocks(0.0, 10.0))
     b.choose(KIND, 1, kept=False)
     b.choose(KIND, 2, kept=False)
@@ -185,6 +185,7 @@ def test_a_plain_start_with_no_distro_defaults_records_none(monkeypatch):
     one on every plain start)."""
     for var in EXPORT_VARIABLES:
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.delenv(DISTRO_DEFAULTS_VARIABLE, raising=False)
+    monkeypatch.setenv(DISTRO_DEFAULTS_VARIABLE, "x")  # so that teardown puts back whatever the call leaves
+    monkeypatch.delenv(DISTRO_DEFAULTS_VARIABLE)
     assert remember_distro_defaults(dict(os.environ)) == {}
     assert DISTRO_DEFAULTS_VARIABLE not in os.environ

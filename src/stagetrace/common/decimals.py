@@ -19,7 +19,8 @@ _SCALES = (1.0, 10.0, 100.0, 1000.0, 10000.0, 100000.0, 1000000.0)  # exact: 10*
 # infinities, which no comparison lets through).
 _LARGEST_SCALED = 2.0**31
 # A float that a fraction's distance from one half can equal (a power of two), so that both ends of the margin
-# are reachable; the products' error stays under 2.4e-7 below _LARGEST_SCALED
+# are reachable (the upper one goes to round(), the lower one to the arithmetic: either gives round()'s float);
+# the products' error stays under 2.4e-7 below _LARGEST_SCALED
 _TIE_MARGIN = 2.0**-20
 
 
