@@ -182,6 +182,7 @@ def replay(path: str, mode: str, passes: int, rounds: int = 1) -> list[float]:
 BUILDS = {
     "sources": {"STAGETRACE_PURE_PYTHON": "1"},
     "compiled": {"_STAGETRACE_EXPORTER_PROCESS": "1"},
+    "mypyc": {"_STAGETRACE_EXPORTER_PROCESS": "1"},  # with --mypyc, the copy first on PYTHONPATH (below)
 }
 
 
@@ -194,7 +195,6 @@ def replay_env(build: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("STAGETRACE_PURE_PYTHON", "_STAGETRACE_EXPORTER_PROCESS")}
     if build == "mypyc":
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (os.environ[MYPYC_SRC_VARIABLE], env.get("PYTHONPATH"))))
-        return {**env, **BUILDS["compiled"], "PYTHONHASHSEED": "0"}
     return {**env, **BUILDS[build], "PYTHONHASHSEED": "0"}
 
 
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     from stagetrace._compiled import COMPILED_MODULES, compiled_available
 
     builds: tuple[str, ...] = ("sources", "compiled") if compiled_available() else ("sources",)
-    scratch = tempfile.TemporaryDirectory(prefix="exporter-cost-mypyc-")
+    scratch = tempfile.TemporaryDirectory(prefix="exporter-cost-mypyc-")  # the mypyc copy, if any: gone at exit
     if args.mypyc:
         os.environ[MYPYC_SRC_VARIABLE], refused = build_with_mypyc(scratch.name)
         builds += ("mypyc",)
@@ -330,7 +330,6 @@ def main(argv: list[str] | None = None) -> int:
                 cells += [f"{figures[mode, build] / figures[mode, 'sources']:.2f}" for build in builds[1:]]
             extra = figures["exported", kept] - figures["verdict", kept]
             print(f"| {label} | {' | '.join(cells)} | {fmt(extra)} |")
-    scratch.cleanup()
     return 0
 
 

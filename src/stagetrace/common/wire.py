@@ -237,7 +237,8 @@ def unpack_trace(msg: Sequence[Any]) -> ShippedTrace:
     """A TRACE message's fields (without the kind), checked: ValueError for one of the wrong shape."""
     if len(msg) != len(ShippedTrace._fields) + 1:
         raise ValueError(f"a trace message has {len(ShippedTrace._fields) + 1} fields, got {len(msg)}")
-    t: ShippedTrace = _as_shipped_trace(ShippedTrace, msg[1:])
+    sent = msg[1:]
+    t: ShippedTrace = _as_shipped_trace(ShippedTrace, sent)
     ints = (t.trace_id, t.offset, t.flags, t.loop_thread, t.task_created_ns, t.received_ms_ago)
     if not all(type(v) is int for v in ints):
         raise ValueError("malformed trace header")
@@ -247,7 +248,7 @@ def unpack_trace(msg: Sequence[Any]) -> ShippedTrace:
         raise ValueError("malformed gen_ai record")
     # The root, stages, other spans and stream are still the sender's tuples until built here: read from the
     # message, not through the record, whose annotations name what they become (mypyc would check them).
-    fields = list(msg[1:])
+    fields = list(sent)
     fields[_TRACE_ROOT] = check_span(fields[_TRACE_ROOT])
     fields[_TRACE_STAGES] = [ShippedStage(st) for st in fields[_TRACE_STAGES]]
     fields[_TRACE_OTHERS] = [check_span(span) for span in fields[_TRACE_OTHERS]]
