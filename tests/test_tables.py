@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
+import pytest
+
 from stagetrace import conventions as c
 from stagetrace.analysis import Diagnosis, StageSample, Verdict
-from stagetrace.capture.records import StageRecord
+from stagetrace.capture.records import StageRecord, pack_stage_record
 from stagetrace.common import wire
 from stagetrace.exporter import spans as sp
 from stagetrace.report.loader import Span
@@ -80,3 +82,36 @@ def test_a_verdict_reads_back_as_written():
 
 def test_shipped_stage_types_every_wire_field_and_every_derived_one():
     assert tuple(wire.ShippedStage.__annotations__) == wire.STAGE_FIELDS + wire.DERIVED_STAGE_FIELDS
+
+
+def test_a_capture_record_packs_as_every_wire_field_read_one_by_one():
+    # pack_stage_record reads the rarely set fields as one tuple of their class defaults where nothing set any
+    # of them: the same tuple as reading every field, fresh or with any of them set.
+    runtime = SimpleNamespace()
+    rarely_set = [f for f in wire.STAGE_FIELDS if f not in StageRecord.__slots__]
+    assert rarely_set == list(wire.STAGE_FIELDS[-len(rarely_set) :])  # what record_packer asks of the table
+    for field in [None, *rarely_set]:
+        rec = StageRecord("decode", "cpu", runtime, None, trace_id=1, span_id=2, parent_span_id=3, parent_stage_id=0)
+        rec.start_ns, rec.end_ns, rec.cpu_start, rec.cpu_end = 10, 20, b"1 2 3", b"4 5 6"
+        if field is not None:
+            setattr(rec, field, ("set", field))
+        packed = pack_stage_record(rec)
+        assert packed == tuple(getattr(rec, f) for f in wire.STAGE_FIELDS), field
+        assert packed == wire.pack_stage(rec)
+        if field is not None:
+            assert packed[wire.STAGE_FIELDS.index(field)] == ("set", field)
+
+
+def test_a_record_packer_needs_the_defaults_last():
+    class Shuffled:
+        __slots__ = wire.STAGE_FIELDS[1:]
+        name = "a class-level default before the slots"
+
+    with pytest.raises(ValueError, match="Shuffled: its class-level defaults must be the last STAGE_FIELDS"):
+        wire.record_packer(Shuffled)
+
+
+def test_a_record_packer_reads_every_field_of_any_other_record():
+    # a trace's stages hold composites and arrived stages beside capture records: slots only, no __dict__
+    other = SimpleNamespace(**{f: f for f in wire.STAGE_FIELDS})
+    assert pack_stage_record(other) == wire.STAGE_FIELDS

@@ -342,6 +342,7 @@ class LightSpan(SpanContextOnDemand, trace_api.Span):
         Called on the helper thread."""
         status = self._status
         state = trace_state_header(self.trace_state)
+        links = self._links
         return (
             self.name,
             self.trace_id,
@@ -354,15 +355,11 @@ class LightSpan(SpanContextOnDemand, trace_api.Span):
             dict(self._attributes),
             tuple(self._events or ()),
             tuple(
-                (
-                    ctx.trace_id,
-                    ctx.span_id,
-                    link_flags(ctx),
-                    trace_state_header(ctx.trace_state),
-                    attrs,
-                )
-                for ctx, attrs in self._links or ()
-            ),
+                (ctx.trace_id, ctx.span_id, link_flags(ctx), trace_state_header(ctx.trace_state), attrs)
+                for ctx, attrs in links
+            )
+            if links
+            else (),  # (no generator made for a span without links, as nearly every one is)
             STATUS_VALUES[status.status_code] if status is not None else _UNSET,
             (status.description or "") if status is not None else "",
             self.instrumentation_scope.name,

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from opentelemetry.trace import NonRecordingSpan, SpanContext
 
-from stagetrace.common.wire import as_example, pack_stage
+from stagetrace.common.wire import as_example, record_packer
 from stagetrace.settings import (
     KEEP_REPEATS,
     MAX_ATTRIBUTE_VALUE_LENGTH,
@@ -193,6 +193,11 @@ class StageRecord(SpanContextOnDemand, NonRecordingSpan):
         return f"StageRecord({self.name!r}, kind={self.kind!r}, span_id={self.span_id:016x})"
 
 
+# The helper thread's packing of a stage: the rarely set wire fields read as one tuple of their defaults where
+# nothing set any of them (common.wire.record_packer).
+pack_stage_record = record_packer(StageRecord)
+
+
 class Repeat:
     """A stage name's occurrences under one parent span in one trace. The first ``KEEP_REPEATS`` stay real
     stages; from then on every occurrence folds into this record at its exit (its time summed, the least
@@ -346,10 +351,12 @@ def count_repeat(trace: TraceRecord, rec: StageRecord, new_span_id: Any) -> None
         trace.stages.append(repeat)  # type: ignore[arg-type]  # a stage to the shipper, as a composite
 
 
-def pack_stages(stages: list[Any], pack: Callable[[Any], tuple[Any, ...]] = pack_stage) -> tuple[tuple[Any, ...], ...]:
+def pack_stages(
+    stages: list[Any], pack: Callable[[Any], tuple[Any, ...]] = pack_stage_record
+) -> tuple[tuple[Any, ...], ...]:
     """A trace's stages as wire tuples: a composite of repeated occurrences (once anything folded into it)
     with its slowest occurrence as the example span, one not folded into yet left out (its occurrences are
-    stages of their own). A trace without composites, the usual one, is packed in one C-level pass."""
+    stages of their own). A trace without composites, the usual one, is packed in one pass (no loop here)."""
     if Repeat not in map(type, stages):
         return tuple(map(pack, stages))
     out = []

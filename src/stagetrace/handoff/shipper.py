@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 
 from stagetrace._safety import at_fork_in_child, report_internal_error
 from stagetrace.capture.light_spans import LightSpan
-from stagetrace.capture.records import StageRecord, TraceRecord, pack_stages
+from stagetrace.capture.records import StageRecord, TraceRecord, pack_stage_record, pack_stages
 from stagetrace.common import wire
 from stagetrace.common.wire import flatten
 from stagetrace.exporter.metrics import MetricsRecorder
@@ -428,7 +428,7 @@ class Shipper:
         if trace.batch is not None:
             packed_root = wire.with_links(packed_root, tuple(wire.member_link(*m) for m in trace.batch.members))
         task_created_ns, received_ms_ago = trace.arrival or (0, -1)
-        pack = fanout.pack_member_stage if tickets else wire.pack_stage
+        pack = fanout.pack_member_stage if tickets else pack_stage_record
         worker_runs = trace.worker_runs
         return wire.trace_message(
             trace_id=trace.trace_id,
@@ -465,5 +465,5 @@ class Shipper:
             wire.trace_state_header(source.trace_state),
             offset,
             trace is not None,
-            wire.pack_stage(rec),
+            pack_stage_record(rec),
         )
