@@ -117,6 +117,7 @@ def test_h2d_notes_bytes_and_pinning_and_flags_pageable_copies(gpu_world):
     )
 
 
+@pytest.mark.slow  # over 1.4 s on its own: out of the quick loop
 def test_events_are_pooled_not_created_per_stage(gpu_world):
     h, gpu, support = gpu_world()
     for _ in range(30):

@@ -227,6 +227,7 @@ def test_nvml_rows_pass_only_on_real_samples(changes, ok):
     assert [r.ok for r in check.nvml_rows(_reading(**changes))] == ok
 
 
+@pytest.mark.slow  # over 1.4 s on its own: out of the quick loop
 def test_the_check_on_the_fakes_passes_where_it_measures_no_time():
     """The whole check in-process on FakeGpu, FakeProfiler and FakeNvml: the rows whose result does not
     depend on the host's timing pass (the others are asserted by the pure tests above)."""

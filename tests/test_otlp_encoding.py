@@ -147,6 +147,7 @@ attribute_values = st.one_of(
 )
 
 
+@pytest.mark.slow  # over 1.4 s on its own: out of the quick loop
 @settings(max_examples=150, deadline=None)
 @given(attributes=st.dictionaries(st.text(min_size=1), attribute_values, max_size=6), name=st.text())
 def test_any_attributes_encode_to_the_sdks_bytes(attributes, name):

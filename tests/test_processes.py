@@ -577,6 +577,7 @@ def _in_forked_child(child, timeout_s: int = 60):
     return out["value"]
 
 
+@pytest.mark.slow  # over 1.4 s on its own: out of the quick loop
 def test_a_pool_made_in_a_forked_child_never_reaches_another_request(harness):
     """A child forked inside a request inherits its context, not the request: a pool it makes gets its calls
     bare under that context (nothing pending, no stage in the parent's request). In a request of its own, a

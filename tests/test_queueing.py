@@ -53,6 +53,7 @@ def split(harness, verdicts):
     return queued, free
 
 
+@pytest.mark.slow  # over 1.4 s on its own: out of the quick loop
 def test_a_burst_is_queueing_for_every_request_that_waited_for_a_token(harness):
     verdicts = run_scenario(harness, limited_app(), "/infer", n=16, concurrency=16)
     queued, free = split(harness, verdicts)
@@ -63,6 +64,7 @@ def test_a_burst_is_queueing_for_every_request_that_waited_for_a_token(harness):
     assert d.stage == "threadpool.wait"
 
 
+@pytest.mark.slow  # over 1.4 s on its own: out of the quick loop
 def test_steady_arrivals_above_capacity_are_queueing(harness):
     verdicts = run_scenario(harness, limited_app(), "/infer", n=24, concurrency=2 * TOKENS)
     queued, free = split(harness, verdicts)

@@ -61,6 +61,7 @@ def test_cpu_heavy_sync_stage_in_async_endpoint_blocks_the_event_loop(collector)
     assert d.stage == "resize" and "event-loop thread" in d.message
 
 
+@pytest.mark.slow  # over 1.4 s on its own: out of the quick loop
 def test_stage_waiting_on_a_lock_is_lock_or_io_wait(spare_cpus, tmp_path):
     """The corpus's lock-waited app (a holder keeps the lock 60 ms at a time with the GIL free; the request's
     ``cache_lookup`` stage waits for it) served by uvicorn in a process of its own, as a deployed service is.
