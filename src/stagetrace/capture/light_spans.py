@@ -34,7 +34,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from stagetrace._compat import clean_attribute_value_as_sdk
 from stagetrace._safety import report_internal_error
 from stagetrace.capture.records import SpanContextOnDemand
-from stagetrace.common.wire import KIND_VALUES, STATUS_VALUES, link_flags, trace_state_header
+from stagetrace.common.wire import FLAGS_MASK, link_flags, trace_state_header
 
 # The SDK's own logger and messages, so that a misuse reads the same whichever span class caught it.
 _sdk_logger = logging.getLogger("opentelemetry.sdk.trace")
@@ -339,36 +339,41 @@ class LightSpan(SpanContextOnDemand, trace_api.Span):
     # --- the wire ---------------------------------------------------------------------------------------
     def wire_tuple(self) -> tuple[Any, ...]:
         """This span as ``common.wire.WireSpan``, as ``wire.pack_span`` makes one of an SDK span.
-        Called on the helper thread."""
-        status = self._status
-        state = trace_state_header(self.trace_state)
-        links = self._links
+        Called on the helper thread, once a span. Its rarely set fields are class-level defaults until set
+        (then in its ``__dict__``, as a root's flag and SpanContext are): read from there with their defaults,
+        or as one constant tuple where nothing is set, not each through the interpreter's generic lookup
+        (the instance, then the class), a few hundred instructions each."""
+        set_here = self.__dict__
+        remote, events, links, status, dropped_attributes, dropped_events, dropped_links = (
+            [set_here.get(name, default) for name, default in _RARELY_SET] if set_here else _RARELY_SET_DEFAULTS
+        )
+        scope_name, scope_version = scope_fields(self.instrumentation_scope)
         return (
             self.name,
             self.trace_id,
             self.span_id,
             self.parent_span_id,
-            self.parent_is_remote,
-            KIND_VALUES[self.kind],  # an enum's .value is a Python descriptor call
+            remote,
+            self.kind._value_,  # (common.wire.FLAGS_MASK says why not .value)
             self.start_time,
             self.end_time or 0,
             dict(self._attributes),
-            tuple(self._events or ()),
+            tuple(events) if events else (),
             tuple(
                 (ctx.trace_id, ctx.span_id, link_flags(ctx), trace_state_header(ctx.trace_state), attrs)
                 for ctx, attrs in links
             )
             if links
             else (),  # (no generator made for a span without links, as nearly every one is)
-            STATUS_VALUES[status.status_code] if status is not None else _UNSET,
+            status.status_code._value_ if status is not None else _UNSET,
             (status.description or "") if status is not None else "",
-            self.instrumentation_scope.name,
-            self.instrumentation_scope.version or "",
-            int(self.trace_flags),
-            state,
-            self.dropped_attributes,
-            self.dropped_events,
-            self.dropped_links,
+            scope_name,
+            scope_version,
+            self.trace_flags & FLAGS_MASK,
+            trace_state_header(self.trace_state),
+            dropped_attributes,
+            dropped_events,
+            dropped_links,
         )
 
     def __repr__(self) -> str:
@@ -376,6 +381,32 @@ class LightSpan(SpanContextOnDemand, trace_api.Span):
 
 
 _UNSET = StatusCode.UNSET.value
+# LightSpan's rarely set fields and their class-level defaults, in the order wire_tuple reads them
+_RARELY_SET = tuple(
+    (name, getattr(LightSpan, name))
+    for name in (
+        "parent_is_remote",
+        "_events",
+        "_links",
+        "_status",
+        "dropped_attributes",
+        "dropped_events",
+        "dropped_links",
+    )
+)
+_RARELY_SET_DEFAULTS = tuple(default for _, default in _RARELY_SET)
+_SCOPES: dict[int, tuple[InstrumentationScope, tuple[str, str]]] = {}  # by id, the scope held so the id stays its
+
+
+def scope_fields(scope: InstrumentationScope) -> tuple[str, str]:
+    """An instrumentation scope's name and version (or ""), read once a scope: both are properties, a Python
+    call each, for every span a scope (a handful in a process) gives."""
+    known = _SCOPES.get(id(scope))
+    if known is None or known[0] is not scope:
+        if len(_SCOPES) >= 1024:  # scopes made per call somewhere: stay bounded
+            _SCOPES.clear()
+        known = _SCOPES[id(scope)] = (scope, (scope.name, scope.version or ""))
+    return known[1]
 
 
 def start_links(span: LightSpan, links: Sequence[trace_api.Link] | None) -> None:

@@ -388,12 +388,14 @@ class Shipper:
     # --- packing ---------------------------------------------------------------------------------------
     def _pack_into(self, messages: list[tuple[Any, ...]], item: Any) -> None:
         try:
-            if isinstance(item, StageRecord):
+            if type(item) is tuple:  # a trace and its root, nearly every item (isinstance of a span is an ABC's)
+                messages.append(self._pack_trace(*item))
+            elif isinstance(item, StageRecord):
                 messages.append(self._pack_lone_stage(item))
             elif isinstance(item, _LoneSpan):
                 messages.append((wire.LONE_SPAN, pack_any_span(item.span)))
             else:
-                messages.append(self._pack_trace(*item))
+                raise TypeError(f"nothing to pack in a {type(item).__name__}")
         except Exception:
             report_internal_error("packing a trace")
             if isinstance(item, tuple):  # the root alone, unchanged, rather than nothing
@@ -432,7 +434,7 @@ class Shipper:
         worker_runs = trace.worker_runs
         return wire.trace_message(
             trace_id=trace.trace_id,
-            flags=int(flags),
+            flags=flags & wire.FLAGS_MASK,
             state=wire.trace_state_header(state),
             offset=offset,
             dropped_stages=trace.dropped_stages,
