@@ -156,6 +156,12 @@ def instruction_workload(variant: str, children: int, pipelines: int) -> None:
 
     tracer = provider.get_tracer("bench")
     stages = [stagetrace.stage(n) for n in names]
+    # Everything made so far (the interpreter's modules, the set-up) moves out of the collector's generations:
+    # a full collection traverses it all, several million instructions landing in whichever thread and run
+    # triggers one, which moved a figure by 2-3 k a stage between runs of the same code. The workload's own
+    # objects are still collected, and counted, as before.
+    gc.collect()
+    gc.freeze()
     for _ in range(pipelines):
         with tracer.start_as_current_span("request"):
             if kind == "stages":
