@@ -7,10 +7,14 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
+from opentelemetry.sdk.trace import SpanLimits
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from stagetrace import conventions as c
 from stagetrace.analysis import Diagnosis, StageSample, Verdict
-from stagetrace.capture.records import StageRecord, pack_stage_record
+from stagetrace.capture.light_spans import LightSpan
+from stagetrace.capture.records import Repeat, StageRecord, pack_stage_record
 from stagetrace.common import wire
 from stagetrace.exporter import spans as sp
 from stagetrace.report.loader import Span
@@ -84,15 +88,24 @@ def test_shipped_stage_types_every_wire_field_and_every_derived_one():
     assert tuple(wire.ShippedStage.__annotations__) == wire.STAGE_FIELDS + wire.DERIVED_STAGE_FIELDS
 
 
-def test_a_capture_record_packs_as_every_wire_field_read_one_by_one():
-    # pack_stage_record reads the rarely set fields as one tuple of their class defaults where nothing set any
-    # of them: the same tuple as reading every field, fresh or with any of them set.
-    runtime = SimpleNamespace()
+def _decode_stage() -> StageRecord:
+    rec = StageRecord(
+        "decode", "cpu", SimpleNamespace(), None, trace_id=1, span_id=2, parent_span_id=3, parent_stage_id=0
+    )
+    rec.start_ns, rec.end_ns, rec.cpu_start, rec.cpu_end = 10, 20, b"1 2 3", b"4 5 6"
+    return rec
+
+
+@pytest.mark.parametrize("set_first", [None, "gpu_resolved"])  # nothing else, or a name that is not shipped
+def test_a_capture_record_packs_as_every_wire_field_read_one_by_one(set_first):
+    # pack_stage_record reads the rarely set fields as one tuple of their class defaults where the record's
+    # __dict__ is empty, from it where not: the same tuple as reading every field, with any of them set or none.
     rarely_set = [f for f in wire.STAGE_FIELDS if f not in StageRecord.__slots__]
     assert rarely_set == list(wire.STAGE_FIELDS[-len(rarely_set) :])  # what record_packer asks of the table
     for field in [None, *rarely_set]:
-        rec = StageRecord("decode", "cpu", runtime, None, trace_id=1, span_id=2, parent_span_id=3, parent_stage_id=0)
-        rec.start_ns, rec.end_ns, rec.cpu_start, rec.cpu_end = 10, 20, b"1 2 3", b"4 5 6"
+        rec = _decode_stage()
+        if set_first is not None:
+            setattr(rec, set_first, True)
         if field is not None:
             setattr(rec, field, ("set", field))
         packed = pack_stage_record(rec)
@@ -111,7 +124,49 @@ def test_a_record_packer_needs_the_defaults_last():
         wire.record_packer(Shuffled)
 
 
+class _WithGpuTime(StageRecord):
+    __slots__ = ()
+
+    @property
+    def gpu_ms(self) -> float:
+        return 1.5
+
+
+def test_a_record_packer_refuses_a_default_that_is_not_a_plain_value():
+    # the constant tuple would carry the property itself, which marshal refuses: the trace would go as its root
+    with pytest.raises(ValueError, match=r"_WithGpuTime\.gpu_ms: a class-level default must be a plain value"):
+        wire.record_packer(_WithGpuTime)
+
+
 def test_a_record_packer_reads_every_field_of_any_other_record():
-    # a trace's stages hold composites and arrived stages beside capture records: slots only, no __dict__
-    other = SimpleNamespace(**{f: f for f in wire.STAGE_FIELDS})
-    assert pack_stage_record(other) == wire.STAGE_FIELDS
+    # a trace's stages hold composites (slots only, no __dict__, a property) and arrived stages beside capture
+    # records; a subclass may compute a field: none of them takes the capture record's shortcut
+    composite = Repeat(_decode_stage(), 3)
+    subclassed = _WithGpuTime("decode", "cpu", SimpleNamespace(), None, 1, 2, 3, 0)
+    for other in (composite, subclassed):
+        assert pack_stage_record(other) == tuple(getattr(other, f) for f in wire.STAGE_FIELDS)
+    assert pack_stage_record(subclassed)[wire.STAGE_FIELDS.index("gpu_ms")] == 1.5
+
+
+def test_a_light_span_packs_each_rarely_set_field_in_its_place():
+    span = LightSpan(
+        "root", 1, 2, 0, TraceFlags(1), None, SpanKind.SERVER, 100, SpanLimits(), InstrumentationScope("lib", "1.0"),
+        None, None,
+    )  # fmt: skip
+    span.end_time = 200
+    fresh = dict(zip(wire.SPAN_FIELDS, span.wire_tuple(), strict=True))
+    assert (fresh["parent_is_remote"], fresh["events"], fresh["links"], fresh["status_code"]) == (False, (), (), 0)
+    assert (fresh["dropped_attributes"], fresh["dropped_events"], fresh["dropped_links"]) == (0, 0, 0)
+    span.parent_is_remote = True
+    span._events = [("e", 150, {})]
+    span._links = [(SpanContext(5, 6, False), {"k": "v"})]
+    span._status = Status(StatusCode.ERROR, "bad")
+    span.dropped_attributes, span.dropped_events, span.dropped_links = 1, 2, 3
+    packed = dict(zip(wire.SPAN_FIELDS, span.wire_tuple(), strict=True))
+    assert packed["parent_is_remote"] is True
+    assert packed["events"] == (("e", 150, {}),)
+    assert packed["links"] == ((5, 6, 0, "", {"k": "v"}),)
+    assert (packed["status_code"], packed["status_description"]) == (StatusCode.ERROR.value, "bad")
+    assert (packed["dropped_attributes"], packed["dropped_events"], packed["dropped_links"]) == (1, 2, 3)
+    assert (packed["scope_name"], packed["scope_version"], packed["flags"]) == ("lib", "1.0", 1)
+    assert type(packed["flags"]) is int and type(packed["kind"]) is int  # plain, for marshal

@@ -354,7 +354,7 @@ class LightSpan(SpanContextOnDemand, trace_api.Span):
             self.span_id,
             self.parent_span_id,
             remote,
-            self.kind._value_,  # (common.wire.FLAGS_MASK says why not .value)
+            self.kind._value_,  # (common.wire, above pack_span, says why not .value)
             self.start_time,
             self.end_time or 0,
             dict(self._attributes),
@@ -395,7 +395,8 @@ _RARELY_SET = tuple(
     )
 )
 _RARELY_SET_DEFAULTS = tuple(default for _, default in _RARELY_SET)
-_SCOPES: dict[int, tuple[InstrumentationScope, tuple[str, str]]] = {}  # by id, the scope held so the id stays its
+# by id; each entry holds its scope, so that no other object can take the id while the entry is there
+_SCOPES: dict[int, tuple[InstrumentationScope, tuple[str, str]]] = {}
 
 
 def scope_fields(scope: InstrumentationScope) -> tuple[str, str]:

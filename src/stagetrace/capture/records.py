@@ -194,7 +194,7 @@ class StageRecord(SpanContextOnDemand, NonRecordingSpan):
 
 
 # The helper thread's packing of a stage: the rarely set wire fields read as one tuple of their defaults where
-# nothing set any of them (common.wire.record_packer).
+# the record's __dict__ is empty, from it with their defaults where not (common.wire.record_packer).
 pack_stage_record = record_packer(StageRecord)
 
 

@@ -1,15 +1,16 @@
 """The records that cross from the application to the exporter: one table per record type, plain tuples
 on the wire.
 
-A stage crosses as the tuple of its ``STAGE_FIELDS`` (``pack_stage``: one expression compiled from the table,
-a slot read a field on the capture record), a span as the tuple of ``SPAN_FIELDS``. Both ends index by these
-tables, so a field is added in one place. Everything here is plain data (ints, floats, strings, bytes,
+A stage crosses as the tuple of its ``STAGE_FIELDS`` (``pack_stage`` and, for a capture record,
+``record_packer``: expressions compiled from the table), a span as the tuple of ``SPAN_FIELDS``. Both ends
+index by these tables, so a field is added in one place. Everything here is plain data (ints, floats, strings, bytes,
 tuples, dicts) so that ``marshal`` encodes it in C and the exporter can rebuild it without trusting the
 sender's code.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -68,8 +69,10 @@ STAGE_FIELDS = (
 
 def _function_from_source(source: str, name: str, namespace: dict[str, Any]) -> Any:
     """The function ``name`` defined by ``source``, compiled once from a field table (as ``dataclasses``
-    writes ``__init__``): one expression over named fields where a loop over the table costs a call a field."""
-    exec(source, namespace)
+    writes ``__init__``): one expression over named fields where a loop over the table costs a call a field.
+    Named after this module and the function, so that a traceback through it says where it came from."""
+    namespace["__name__"] = __name__
+    exec(compile(source, f"<{__name__}.{name}, generated>", "exec"), namespace)
     return namespace[name]
 
 
@@ -80,24 +83,44 @@ pack_stage: Callable[[Any], tuple[Any, ...]] = _function_from_source(
 ``record_packer``)."""
 
 
+def _all_slots(record_type: type) -> set[str]:
+    """The slot names of a class and its bases (a ``__slots__`` may be one string)."""
+    names: set[str] = set()
+    for klass in record_type.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        names.update([slots] if isinstance(slots, str) else slots)
+    return names
+
+
 def record_packer(record_type: type) -> Callable[[Any], tuple[Any, ...]]:
-    """``pack_stage`` for a record type whose last ``STAGE_FIELDS`` are class-level defaults, stored on an
-    instance (in its ``__dict__``) only when set, and whose others are slots: an instance of it with an empty
-    ``__dict__`` (nearly every stage) packs as its slots, read one each, and the defaults as one constant
-    tuple; anything else as every field. For every stage on the helper thread: a read of a field left to its
-    class default takes the interpreter's generic lookup (the instance, then the class), ~180 instructions
-    each, 13 a stage. ValueError unless the fields not in its ``__slots__`` are the table's last ones."""
-    slots = set(getattr(record_type, "__slots__", ()))
+    """``pack_stage`` for a record type whose last ``STAGE_FIELDS`` are class-level defaults (plain values),
+    stored on an instance (in its ``__dict__``) only when set, and whose others are slots. For every stage on
+    the helper thread: a read of a field left to its class default takes the interpreter's generic lookup
+    (the instance, then the class), ~180 instructions each, 13 a stage. So an instance of it reads its slots
+    one each and the defaulted fields as one constant tuple where its ``__dict__`` is empty (nearly every
+    stage of a CPU-only service), or from its ``__dict__`` with their defaults where something was set there
+    (a stage of a GPU service, one on an event loop); anything else packs as every field. ValueError unless
+    the fields not in its slots are the table's last ones, each a plain value on the class."""
+    slots = _all_slots(record_type)
     leading = tuple(name for name in STAGE_FIELDS if name in slots)
+    rest = STAGE_FIELDS[len(leading) :]
     if STAGE_FIELDS[: len(leading)] != leading:
         raise ValueError(f"{record_type.__name__}: its class-level defaults must be the last STAGE_FIELDS")
-    defaults = tuple(getattr(record_type, name) for name in STAGE_FIELDS[len(leading) :])
+    defaults = tuple(inspect.getattr_static(record_type, name) for name in rest)
+    for name, default in zip(rest, defaults, strict=True):
+        if hasattr(type(default), "__get__"):  # a property or method would ship as itself, which marshal refuses
+            raise ValueError(f"{record_type.__name__}.{name}: a class-level default must be a plain value")
     fast = ", ".join(f"r.{name}" for name in leading)
+    from_dict = ", ".join(f"get({name!r}, DEFAULTS[{i}])" for i, name in enumerate(rest))
     every = ", ".join(f"r.{name}" for name in STAGE_FIELDS)
     source = (
         "def pack_record(r):\n"
-        "    if type(r) is RECORD and not r.__dict__:\n"
-        f"        return ({fast},) + DEFAULTS\n"
+        "    if type(r) is RECORD:\n"
+        "        set_here = r.__dict__\n"
+        "        if not set_here:\n"
+        f"            return ({fast},) + DEFAULTS\n"
+        "        get = set_here.get\n"
+        f"        return ({fast}, {from_dict})\n"
         f"    return ({every},)\n"
     )
     return _function_from_source(source, "pack_record", {"RECORD": record_type, "DEFAULTS": defaults})
@@ -108,6 +131,9 @@ def trace_state_header(state: TraceState | None) -> str:
     return state.to_header() if state else ""
 
 
+# W3C trace flags as the plain int marshal takes: ``flags & FLAGS_MASK`` is one C operation, where ``int()`` of
+# the SDK's int subclass goes through the type's call (~1.4 k instructions, on the helper thread for every span).
+FLAGS_MASK = 0xFF
 # A link's flags as they cross to the exporter: the linked context's W3C trace flags in the low byte, and
 # whether it is remote in the bit OTLP itself uses for that (``SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK``).
 LINK_REMOTE = 0x200
@@ -333,9 +359,6 @@ _SPAN_COUNTS = tuple(SPAN_INDEX[f] for f in ("dropped_attributes", "dropped_even
 _LINKS = SPAN_INDEX["links"]
 
 
-_TRACE_FLAGS_MASK = 0xFF  # of a link's wire flags: its W3C trace flags (LINK_REMOTE above them)
-
-
 def parse_trace_state(header: str) -> TraceState | None:
     return TraceState.from_header([header]) if header else None
 
@@ -344,11 +367,9 @@ def _plain_attributes(attributes: Any) -> dict[str, Any]:
     return dict(attributes) if attributes else {}
 
 
-# On the helper thread, for every span: an enum member's ``_value_`` (the attribute the enum module keeps it
-# in) is a plain read, where ``.value`` is a Python descriptor call and a dict keyed by members calls the
-# enum's Python ``__hash__`` (~1.3 k instructions); trace flags ``& 0xFF`` make the plain int that marshal
-# takes with one C operation, where ``int()`` of the int subclass goes through the type's call (~1.4 k).
-FLAGS_MASK = 0xFF
+# A span's kind and status code cross as their enum members' ``_value_`` (the attribute the enum module keeps
+# a member's value in): a plain read, where ``.value`` is a Python descriptor call and a dict keyed by members
+# calls the enum's Python ``__hash__`` (~1.3 k instructions, on the helper thread for every span).
 
 
 def pack_span(span: ReadableSpan) -> tuple[Any, ...]:
@@ -462,7 +483,7 @@ def to_readable(packed: Sequence[Any], resource: Resource) -> ReadableSpan:
         attributes=p.attributes,
         events=tuple(Event(n, a, timestamp=ts) for n, ts, a in p.events),
         links=tuple(
-            Link(SpanContext(t, s, bool(f & LINK_REMOTE), TraceFlags(f & _TRACE_FLAGS_MASK), parse_trace_state(st)), a)
+            Link(SpanContext(t, s, bool(f & LINK_REMOTE), TraceFlags(f & FLAGS_MASK), parse_trace_state(st)), a)
             for t, s, f, st, a in p.links
         ),
         kind=_KINDS.get(p.kind, SpanKind.INTERNAL),

@@ -463,7 +463,7 @@ class Shipper:
         return (
             wire.LONE_STAGE,
             rec.trace_id,
-            int(flags) if flags is not None else 0,
+            flags & wire.FLAGS_MASK if flags is not None else 0,
             wire.trace_state_header(source.trace_state),
             offset,
             trace is not None,
