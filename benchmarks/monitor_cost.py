@@ -1,22 +1,26 @@
 """What one wake-up of the GIL monitor costs in CPU time, quiet and at saturation, beside the floor that any
-Python thread waking 100 times a second pays on the same host.
+Python thread waking 100 times a second pays under the same load.
 
     python benchmarks/monitor_cost.py [--seconds 5] [--rounds 3]
 
 Each variant runs in a fresh process, the variants interleaved round by round (so that a slower spell of the
 machine falls on all of them): one trace held open, so that the monitor wakes every 10 ms, for ``--seconds``;
-then the monitor thread's on-CPU time (its own ``/proc/self/task/<tid>/schedstat``) over its wake-ups (which
-it counts). The median of the rounds. Variants:
+then the waking thread's on-CPU time (its own ``/proc/self/task/<tid>/schedstat``) over its wake-ups (which
+it counts). The median of the rounds. The thread that wakes:
 
-  floor: a bare Python thread      no stagetrace: a thread sleeping 10 ms at a time, what waking costs here
-  floor + one schedstat read       the same and one GIL-holding ``pread`` of its own schedstat at each
-                                   wake-up, the least a wake-up that measures its own run-queue wait does
-  quiet                            the monitor, nothing else running (the process's totals read every fifth
-                                   wake-up)
-  saturated                        the process on one CPU beside 8 threads compressing with zlib (the GIL
-                                   released) in a loop: every wake-up waits for the CPU, so every one reads
-                                   the process's totals (a read per thread)
-  saturated, 40 idle threads       the same beside 40 parked threads (a thread pool after a burst)
+  floor                 no stagetrace: a bare Python thread sleeping 10 ms at a time, what waking costs
+  floor + one read      the same and one GIL-holding ``pread`` of its own schedstat at each wake-up, the least
+                        a wake-up that measures its own run-queue wait does
+  the monitor           stagetrace's GIL monitor; "no reads of the totals": the same with its reads of the
+                        other threads' counts switched off (their share of its cost)
+
+under one of these loads:
+
+  quiet                 nothing else running
+  CPU-saturated         the process on one CPU beside 8 threads compressing with zlib (the GIL released) in a
+                        loop: wake-ups wait for the CPU, and those that waited read the process's totals (a read
+                        per thread); "+ 40 idle threads": beside 40 parked threads too (a thread pool after a burst)
+  GIL-bound             the process on one CPU beside a thread spinning in Python: wake-ups wait for the GIL
 
 Not in instructions: valgrind runs one thread at a time and ~30 x slower, so there every wake-up is late, and
 beside busy threads the monitor hardly gets one. CPU time on a VM moves from run to run: compare within one
@@ -35,9 +39,8 @@ import tempfile
 
 _CHILD = """
 import json, os, sys, threading, time, zlib
-seconds, variant, traces_path = float(sys.argv[1]), sys.argv[2], sys.argv[3]
-workers, idle = {"saturated": (8, 0), "saturated-idle": (8, 40)}.get(variant, (0, 0))
-if workers:
+seconds, waker, load, idle, traces_path = float(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+if load != "quiet":
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # before any thread: every thread on one CPU
 parked, stop = threading.Event(), threading.Event()
 for _ in range(idle):
@@ -48,13 +51,17 @@ def compress():
     while not stop.is_set():
         zlib.compress(payload, 6)  # releases the GIL while it works
 
+def spin():
+    while not stop.is_set():
+        pass
+
 def schedstat(tid):
     with open(f"/proc/self/task/{tid}/schedstat") as f:
         return int(f.read().split()[0])
 
-if variant.startswith("floor"):
+if waker.startswith("floor"):
     from stagetrace.capture.cpu import CpuSignals
-    read = CpuSignals().read if variant == "floor-read" else None
+    read = CpuSignals().read if waker == "floor-read" else None
     ticks, ready = [0], threading.Event()
     def floor():
         ticks.append(threading.get_native_id()); ready.set()
@@ -73,12 +80,16 @@ else:
     pipeline = stagetrace.pipeline("held-open")
     pipeline.__enter__()
     monitor = _state.runtime.gil_sampler
-    while monitor._thread is None or monitor._thread.native_id is None:
+    while monitor._thread is None or monitor._thread.native_id is None or monitor.wakeups == 0:
         time.sleep(0.01)
+    if waker == "monitor-no-reads":
+        monitor._process = None  # its loop reads the totals only while this is set
     tid, wakeups, reads = monitor._thread.native_id, (lambda: monitor.wakeups), (lambda: monitor.process_reads)
-for _ in range(workers):
+for _ in range(8 if load == "cpu" else 0):
     threading.Thread(target=compress, daemon=True).start()
-time.sleep(1.0)  # settled: the workers running, the monitor waking
+if load == "gil":
+    threading.Thread(target=spin, daemon=True).start()
+time.sleep(1.0)  # settled: the load running, the thread waking
 cpu0, woke0, read0 = schedstat(tid), wakeups(), reads()
 time.sleep(seconds)
 cpu1, woke1, read1 = schedstat(tid), wakeups(), reads()
@@ -89,19 +100,30 @@ sys.stdout.flush()
 os._exit(0)
 """
 
+# label: (the thread that wakes, the load, idle threads beside)
 VARIANTS = {
-    "floor: a bare Python thread": "floor",
-    "floor + one schedstat read": "floor-read",
-    "quiet": "quiet",
-    "saturated (8 busy threads, one CPU)": "saturated",
-    "saturated, 40 idle threads beside": "saturated-idle",
+    "floor, quiet": ("floor", "quiet", 0),
+    "floor + one read, quiet": ("floor-read", "quiet", 0),
+    "the monitor, quiet": ("monitor", "quiet", 0),
+    "floor + one read, CPU-saturated": ("floor-read", "cpu", 0),
+    "the monitor, CPU-saturated": ("monitor", "cpu", 0),
+    "the monitor, CPU-saturated, no reads of the totals": ("monitor-no-reads", "cpu", 0),
+    "the monitor, CPU-saturated + 40 idle threads": ("monitor", "cpu", 40),
+    "floor + one read, GIL-bound": ("floor-read", "gil", 0),
+    "the monitor, GIL-bound": ("monitor", "gil", 0),
+}
+FLOOR_OF = {
+    "quiet": "floor + one read, quiet",
+    "cpu": "floor + one read, CPU-saturated",
+    "gil": "floor + one read, GIL-bound",
 }
 
 
-def measure(variant: str, seconds: float, directory: str) -> dict[str, float]:
+def measure(variant: tuple[str, str, int], seconds: float, directory: str) -> dict[str, float]:
+    waker, load, idle = variant
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(seconds), variant, os.path.join(directory, "t.jsonl")],
+        [sys.executable, "-c", _CHILD, str(seconds), waker, load, str(idle), os.path.join(directory, "t.jsonl")],
         env=env, capture_output=True, text=True, check=True, timeout=seconds + 60,
     )  # fmt: skip
     result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -118,16 +140,16 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):
             for label, variant in VARIANTS.items():
                 runs[label].append(measure(variant, args.seconds, directory))
-    floor = statistics.median(r["us"] for r in runs["floor + one schedstat read"])
-    print(f"the GIL monitor's thread, CPU a wake-up (median of {args.rounds} rounds of {args.seconds:.0f} s)")
-    print("| variant | CPU µs a wake-up | x the floor with one read | wake-ups /s | readings of the totals a wake-up |")
+    cost = {label: statistics.median(r["us"] for r in results) for label, results in runs.items()}
+    print(f"CPU a wake-up of the thread that wakes (median of {args.rounds} rounds of {args.seconds:.0f} s)")
+    print("| the thread that wakes, load | CPU µs a wake-up | x the floor + one read, same load | wake-ups /s "
+          "| readings of the totals a wake-up |")  # fmt: skip
     print("|---|---:|---:|---:|---:|")
-    for label, results in runs.items():
-        us = statistics.median(r["us"] for r in results)
-        per_s = statistics.median(r["per_s"] for r in results)
-        reads = statistics.median(r["reads"] for r in results)
-        shown = "-" if label.startswith("floor") else f"{reads:.2f}"
-        print(f"| {label} | {us:.0f} | {us / floor:.2f} | {per_s:.0f} | {shown} |")
+    for label, (waker, load, _) in VARIANTS.items():
+        per_s = statistics.median(r["per_s"] for r in runs[label])
+        reads = "-" if not waker.startswith("monitor") else f"{statistics.median(r['reads'] for r in runs[label]):.2f}"
+        ratio = "-" if waker == "floor" else f"{cost[label] / cost[FLOOR_OF[load]]:.2f}"
+        print(f"| {label} | {cost[label]:.0f} | {ratio} | {per_s:.0f} | {reads} |")
     return 0
 
 
