@@ -112,11 +112,8 @@ VARIANTS = {
     "floor + one read, GIL-bound": ("floor-read", "gil", 0),
     "the monitor, GIL-bound": ("monitor", "gil", 0),
 }
-FLOOR_OF = {
-    "quiet": "floor + one read, quiet",
-    "cpu": "floor + one read, CPU-saturated",
-    "gil": "floor + one read, GIL-bound",
-}
+# under each load, the floor the monitor is compared with: the bare thread with one read, under that load
+FLOOR_OF = {load: label for label, (waker, load, _) in VARIANTS.items() if waker == "floor-read"}
 
 
 def measure(variant: tuple[str, str, int], seconds: float, directory: str) -> dict[str, float]:
