@@ -1,7 +1,12 @@
 """What one wake-up of the GIL monitor costs in CPU time, quiet and at saturation, beside the floor that any
 Python thread waking 100 times a second pays under the same load.
 
-    python benchmarks/monitor_cost.py [--seconds 5] [--rounds 3]
+    python benchmarks/monitor_cost.py [--seconds 5] [--rounds 3] [--only TEXT] [--against SRC]
+
+``--only TEXT`` runs the variants whose label holds TEXT (with their floors); ``--against SRC`` runs each
+monitor variant a second time on another source tree (``git archive REV src | tar -x -C DIR``; SRC is
+``DIR/src``), interleaved with this tree's, and gives the ratio of the two: a change to the monitor measured
+side by side.
 
 Each variant runs in a fresh process, the variants interleaved round by round (so that a slower spell of the
 machine falls on all of them): one trace held open, so that the monitor wakes every 10 ms, for ``--seconds``;
@@ -55,9 +60,10 @@ def spin():
     while not stop.is_set():
         pass
 
-def schedstat(tid):
+def schedstat(tid):  # (on-CPU ns, times scheduled in)
     with open(f"/proc/self/task/{tid}/schedstat") as f:
-        return int(f.read().split()[0])
+        fields = f.read().split()
+        return int(fields[0]), int(fields[2])
 
 if waker.startswith("floor"):
     from stagetrace.capture.cpu import CpuSignals
@@ -90,12 +96,13 @@ for _ in range(8 if load == "cpu" else 0):
 if load == "gil":
     threading.Thread(target=spin, daemon=True).start()
 time.sleep(1.0)  # settled: the load running, the thread waking
-cpu0, woke0, read0 = schedstat(tid), wakeups(), reads()
+(cpu0, in0), woke0, read0 = schedstat(tid), wakeups(), reads()
 time.sleep(seconds)
-cpu1, woke1, read1 = schedstat(tid), wakeups(), reads()
+(cpu1, in1), woke1, read1 = schedstat(tid), wakeups(), reads()
 stop.set()
 woke = max(1, woke1 - woke0)
-print(json.dumps({"us": (cpu1 - cpu0) / 1e3 / woke, "per_s": woke / seconds, "reads": (read1 - read0) / woke}))
+print(json.dumps({"us": (cpu1 - cpu0) / 1e3 / woke, "per_s": woke / seconds, "reads": (read1 - read0) / woke,
+                  "slices": (in1 - in0) / woke}))
 sys.stdout.flush()
 os._exit(0)
 """
@@ -116,9 +123,11 @@ VARIANTS = {
 FLOOR_OF = {load: label for label, (waker, load, _) in VARIANTS.items() if waker == "floor-read"}
 
 
-def measure(variant: tuple[str, str, int], seconds: float, directory: str) -> dict[str, float]:
+def measure(variant: tuple[str, str, int], seconds: float, directory: str, src: str | None) -> dict[str, float]:
     waker, load, idle = variant
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "STAGETRACE_"))}
+    if src is not None:
+        env["PYTHONPATH"] = src
     out = subprocess.run(
         [sys.executable, "-c", _CHILD, str(seconds), waker, load, str(idle), os.path.join(directory, "t.jsonl")],
         env=env, capture_output=True, text=True, check=True, timeout=seconds + 60,
@@ -131,22 +140,39 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", default="", help="the variants whose label holds this text, with their floors")
+    ap.add_argument("--against", default=None, help="another tree's src/, its monitor run beside this one's")
     args = ap.parse_args(argv)
-    runs: dict[str, list[dict[str, float]]] = {label: [] for label in VARIANTS}
+    chosen = {label: v for label, v in VARIANTS.items() if args.only in label or label in FLOOR_OF.values()}
+    runs: dict[tuple[str, str | None], list[dict[str, float]]] = {}
+    for label, (waker, _, _) in chosen.items():
+        runs[label, None] = []
+        if args.against and waker.startswith("monitor"):
+            runs[label, args.against] = []
     with tempfile.TemporaryDirectory() as directory:
         for _ in range(args.rounds):
-            for label, variant in VARIANTS.items():
-                runs[label].append(measure(variant, args.seconds, directory))
-    cost = {label: statistics.median(r["us"] for r in results) for label, results in runs.items()}
+            for (label, src), results in runs.items():
+                results.append(measure(chosen[label], args.seconds, directory, src))
+    cost = {key: statistics.median(r["us"] for r in results) for key, results in runs.items()}
     print(f"CPU a wake-up of the thread that wakes (median of {args.rounds} rounds of {args.seconds:.0f} s)")
     print("| the thread that wakes, load | CPU µs a wake-up | x the floor + one read, same load | wake-ups /s "
-          "| readings of the totals a wake-up |")  # fmt: skip
-    print("|---|---:|---:|---:|---:|")
-    for label, (waker, load, _) in VARIANTS.items():
-        per_s = statistics.median(r["per_s"] for r in runs[label])
-        reads = "-" if not waker.startswith("monitor") else f"{statistics.median(r['reads'] for r in runs[label]):.2f}"
-        ratio = "-" if waker == "floor" else f"{cost[label] / cost[FLOOR_OF[load]]:.2f}"
-        print(f"| {label} | {cost[label]:.0f} | {ratio} | {per_s:.0f} | {reads} |")
+          "| readings of the totals a wake-up | scheduled in a wake-up |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|")
+    for (label, src), results in runs.items():
+        waker, load, _ = chosen[label]
+        per_s = statistics.median(r["per_s"] for r in results)
+        reads = "-" if not waker.startswith("monitor") else f"{statistics.median(r['reads'] for r in results):.2f}"
+        floor = cost.get((FLOOR_OF[load], None))
+        ratio = "-" if waker == "floor" or floor is None else f"{cost[label, src] / floor:.2f}"
+        name = label if src is None else f"{label} [against]"
+        slices = statistics.median(r["slices"] for r in results)
+        print(f"| {name} | {cost[label, src]:.0f} | {ratio} | {per_s:.0f} | {reads} | {slices:.2f} |")
+    if args.against:
+        print(f"\nthis tree / {args.against}, the monitor's CPU a wake-up, same run")
+        print("| variant | ratio |\n|---|---:|")
+        for label, src in runs:
+            if src is not None:
+                print(f"| {label} | {cost[label, None] / cost[label, src]:.2f} |")
     return 0
 
 

@@ -153,7 +153,7 @@ def test_the_process_totals_grow_with_every_thread_on_real_threads():
     assert rq_during > rq_before and rq_after >= rq_during
     assert cpu_during > cpu_before and cpu_after - cpu_during >= 40.0
     reader.close()
-    assert reader._fds == {}
+    assert reader._fds == {} and reader._clocks == {}
 
 
 def test_the_exporter_reads_the_other_threads_beside_the_stages_the_blocked_cause_rules_look_at():
@@ -215,35 +215,82 @@ def test_a_thread_started_between_two_readings_is_in_the_second():
 
 
 def test_the_process_totals_count_each_change_once_and_leave_out_the_readers_run_queue(monkeypatch):
-    """On faked schedstat files (on-CPU ns, run-queue ns, slices): a thread's first reading counts its whole
-    past, later ones their growth; a thread that went drops out without taking anything back; the reader's
-    run-queue wait is its own signal, not another thread's."""
+    """On faked threads (CPU clock ns; schedstat: on-CPU ns, run-queue ns, slices): a thread's first reading
+    counts its whole past, later ones their growth; a thread whose CPU clock did not move is not read (it was
+    not scheduled in, so its run-queue wait cannot have grown); a thread that went drops out without taking
+    anything back; the reader's run-queue wait is its own signal, not another thread's."""
     from stagetrace.capture import cpu as cpu_module
 
-    files = {11: b"5000000 1000000 3\n", 22: b"2000000 4000000 7\n"}  # 11 reads; 22 is another thread
+    clocks = {11: 5_000_000, 22: 2_000_000}  # 11 reads; 22 is another thread
+    files = {11: b"5000000 1000000 3\n", 22: b"2000000 4000000 7\n"}
+    reads = []
     reader = cpu_module.ProcessSchedTotals(11, relist_every=1)
 
-    def relist() -> None:
+    def relist() -> None:  # the real one, but for the fds (forgetting a thread closes its fd)
         reader._fds = {tid: tid for tid in files}
+        reader._clocks = {tid: tid for tid in files}
         for tid in set(reader._last_cpu) - set(files):
             reader._last_cpu.pop(tid)
             reader._last_run_queue.pop(tid, None)
 
+    def clock_ns(clock):
+        if clock not in clocks:
+            raise OSError(22, "Invalid argument")  # as the kernel answers for a thread that went
+        return clocks[clock]
+
     def pread(fd, buf, size, offset):
+        reads.append(fd)
         raw = files[fd]
         ctypes.memmove(buf, raw, len(raw))
         return len(raw)
 
     monkeypatch.setattr(reader, "_relist", relist)
-    reader._pread = pread
+    reader._pread, reader._clock_ns = pread, clock_ns
     assert reader.totals_ms() == (4.0, 7.0)  # whole pasts: 22's run-queue, both threads' on-CPU
+    assert reads == [22]  # the reader's own schedstat is not read: its run-queue wait is left out
+    clocks[11], clocks[22] = 9_000_000, 2_500_000
     files[11], files[22] = b"9000000 3000000 4\n", b"2500000 6000000 8\n"
     assert reader.totals_ms() == (6.0, 11.5)  # +2 ms queued (22's), +4 and +0.5 ms on-CPU
-    del files[22]
-    files[11] = b"9500000 3000000 5\n"
-    assert reader.totals_ms() == (6.0, 12.0)  # 22 went: its count stays, nothing more from it
-    files[22] = b"bad"  # an unreadable file is dropped, never an error
-    assert reader.totals_ms() == (6.0, 12.0)
+    reads.clear()
+    clocks[11] = 9_500_000
+    assert reader.totals_ms() == (6.0, 12.0) and reads == []  # 22 did not run: not read, nothing added
+    del files[22], clocks[22]
+    clocks[11] = 10_000_000
+    assert reader.totals_ms() == (6.0, 12.5)  # 22 went: its count stays, nothing more from it
+    files[22], clocks[22] = b"bad", 3_000_000  # a new 22, its file unreadable: dropped, never an error
+    clocks[11] = 10_500_000
+    assert reader.totals_ms() == (6.0, 16.0)  # its whole past on-CPU counted before its file failed
+    assert 22 not in reader._clocks
+
+
+def test_a_threads_cpu_clock_is_built_from_its_tid_as_the_c_library_builds_it():
+    """The totals read every thread's CPU clock by TID (native threads too, which pthread_getcpuclockid cannot
+    reach): the id must be the one the C library gives for a thread, and read that thread's CPU time."""
+    from stagetrace.capture.cpu import thread_cpu_clock
+
+    if not hasattr(time, "pthread_getcpuclockid") or not sys.platform.startswith("linux"):
+        pytest.skip("Linux thread CPU clocks")
+    ids, done = [], threading.Event()
+
+    def worker() -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < 0.05:
+            pass
+        ids.append((time.pthread_getcpuclockid(threading.get_ident()), threading.get_native_id()))
+        done.wait(10)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not ids and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pthread_clock, tid = ids[0]
+        assert thread_cpu_clock(tid) == pthread_clock
+        assert time.clock_gettime_ns(thread_cpu_clock(tid)) >= 50_000_000  # the worker's, read from here
+    finally:
+        done.set()
+        thread.join()
 
 
 # --- how much of a stage's blocked time was provably not the GIL ------------------------------------------
@@ -483,30 +530,76 @@ def test_the_gil_sampler_covers_a_trace_once_it_woke_after_its_end_or_went_idle(
     assert sampler.covers(time.time_ns() + 10**12)  # stopped: nothing to wait for
 
 
-def test_the_process_run_queue_is_read_after_every_wait_and_every_fifth_quiet_wake_up():
-    from stagetrace.capture.monitors import (
-        CONTENDED_LAG_NS,
-        CONTENDED_RUN_QUEUE_NS,
-        PROCESS_READ_EVERY,
-        ProcessReadSchedule,
-    )
+def run_on_fake_clock(monkeypatch, wakeups, *, reading_ns=0, idle_after=frozenset()):
+    """The GIL monitor's loop, on this thread, against a fake clock, its own schedstat and the process's totals
+    faked. ``wakeups``: for each sleep, (ns late beyond the run-queue wait, run-queue ns, times scheduled in,
+    or None for a kernel that gives no count); a reading of the totals takes ``reading_ns``; after each
+    wake-up in ``idle_after`` the last trace ends and a new one opens before the monitor goes to sleep.
+    Returns the monitor and, for each sleep, how many readings of the totals came before it."""
+    from stagetrace.capture import monitors
 
-    schedule = ProcessReadSchedule()
-    reads = []
-    for _ in range(20):  # quiet: the first wake-up of the stretch, then every PROCESS_READ_EVERY
-        reads.append(schedule.due())
-        schedule.woke(CONTENDED_LAG_NS - 1, CONTENDED_RUN_QUEUE_NS - 1)
-    assert [i for i, read in enumerate(reads) if read] == list(range(0, 20, PROCESS_READ_EVERY))
-    schedule = ProcessReadSchedule()
-    assert schedule.due()
-    schedule.woke(0, 0)
-    for lag, rq in ((CONTENDED_LAG_NS, 0), (0, CONTENDED_RUN_QUEUE_NS)):  # a wait of either kind
-        assert not schedule.due()
-        schedule.woke(lag, rq)
-        assert schedule.due()  # the next wake-up reads
-        schedule.woke(0, 0)
-    schedule.restart()  # back from idle: the first wake-up reads
-    assert schedule.due()
+    clock, own = {"ns": 10**12}, {"rq": 0, "slices": 0}
+    readings, per_sleep, flying = [0], [], []
+    sampler = monitors.GilPressureMonitor(0.01, in_flight=lambda: flying.pop() if flying else 1)
+
+    class FakeOwnRunQueue:
+        @classmethod
+        def open(cls):
+            return cls()
+
+        def read(self):
+            return own["rq"], own["slices"]
+
+        def close(self):
+            pass
+
+    class FakeProcess:
+        available = True
+
+        def __init__(self, tid):
+            pass
+
+        def totals_ms(self):
+            clock["ns"] += reading_ns
+            readings[0] += 1
+            return 0.0, 0.0
+
+        def close(self):
+            pass
+
+    def sleep(seconds):
+        per_sleep.append(readings[0])
+        readings[0] = 0
+        late, rq, slices = wakeups[len(per_sleep) - 1]
+        clock["ns"] += int(seconds * 1e9) + late + rq
+        own["rq"] += rq
+        own["slices"] = None if slices is None else own["slices"] + slices
+        if len(per_sleep) - 1 in idle_after:
+            flying.extend([1, 0])  # popped from the end: nothing in flight, then a trace open again
+        if len(per_sleep) == len(wakeups):
+            sampler.stop()
+
+    monkeypatch.setattr(monitors, "OwnRunQueue", FakeOwnRunQueue)
+    monkeypatch.setattr(monitors, "ProcessSchedTotals", FakeProcess)
+    monkeypatch.setattr(monitors, "_perf_ns", lambda: clock["ns"])
+    monkeypatch.setattr(monitors, "_sleep", sleep)
+    sampler._run()
+    return sampler, per_sleep
+
+
+def test_the_process_totals_are_read_after_every_wait_and_every_fifth_quiet_wake_up(monkeypatch):
+    from stagetrace.capture.monitors import CONTENDED_LAG_NS, CONTENDED_RUN_QUEUE_NS, PROCESS_READ_EVERY
+
+    quiet = (CONTENDED_LAG_NS - 1, CONTENDED_RUN_QUEUE_NS - 1, 1)
+    _, reads = run_on_fake_clock(monkeypatch, [quiet] * 20)
+    assert [i for i, n in enumerate(reads) if n] == list(range(0, 20, PROCESS_READ_EVERY))  # the first, then 5th
+    waited_for_the_gil, waited_for_a_cpu = (CONTENDED_LAG_NS, 0, 2), (0, CONTENDED_RUN_QUEUE_NS, 1)
+    script = [quiet, waited_for_the_gil, quiet, waited_for_a_cpu, quiet, quiet]
+    _, reads = run_on_fake_clock(monkeypatch, script)
+    assert reads == [1, 0, 1, 0, 1, 0]  # the wake-up after either kind of wait reads
+    # back from idle: a reading as the last trace ends, and the first wake-up of the new stretch reads again
+    _, reads = run_on_fake_clock(monkeypatch, [quiet] * 4, idle_after={1})
+    assert reads == [1, 0, 2, 0]
 
 
 def test_a_sampler_beside_a_thread_holding_the_gil_reads_the_run_queue_at_most_wake_ups():
@@ -541,78 +634,58 @@ def test_a_sampler_beside_a_thread_holding_the_gil_reads_the_run_queue_at_most_w
 def test_a_slow_reading_of_the_run_queue_does_not_make_the_next_wake_up_read_again(monkeypatch):
     """On a fake clock: every wake-up on time, no run-queue wait, and a reading of the other threads that
     takes 3 ms (forty threads read cold). Its time is in the next lag; it must not count as a wait."""
-    from stagetrace.capture import monitors
+    from stagetrace.capture.monitors import PROCESS_READ_EVERY
 
-    clock = {"ns": 10**12}
-    period_s = 0.01
-    sampler = monitors.GilPressureMonitor(period_s, in_flight=lambda: 1)
-
-    class FakeCpu:
-        schedstat, _pread = True, object()
-
-        def run_queue_and_slices(self) -> tuple[int, int | None]:
-            return 0, None
-
-    class FakeProcess:
-        available = True
-
-        def __init__(self, tid: int) -> None:
-            pass
-
-        def totals_ms(self) -> tuple[float, float]:
-            clock["ns"] += 3_000_000
-            return 0.0, 0.0
-
-        def close(self) -> None:
-            pass
-
-    def sleep(seconds: float) -> None:
-        clock["ns"] += int(seconds * 1e9)
-        if len(sampler.series._items) >= 40:
-            sampler.stop()
-
-    monkeypatch.setattr(monitors, "CpuSignals", FakeCpu)
-    monkeypatch.setattr(monitors, "ProcessSchedTotals", FakeProcess)
-    monkeypatch.setattr(monitors, "_perf_ns", lambda: clock["ns"])
-    monkeypatch.setattr(monitors, "_sleep", sleep)
-    sampler._run()  # on this thread, until 40 wake-ups
-    wakes = len(sampler.series.drain())
-    assert wakes >= 40
-    assert sampler.process_reads == len(range(0, wakes, monitors.PROCESS_READ_EVERY))  # the first, every fifth
+    sampler, reads = run_on_fake_clock(monkeypatch, [(0, 0, 1)] * 40, reading_ns=3_000_000)
+    assert [i for i, n in enumerate(reads) if n] == list(range(0, 40, PROCESS_READ_EVERY))
+    assert sampler.process_reads == len(range(0, 40, PROCESS_READ_EVERY)) and sampler.wakeups == 40
 
 
 def test_a_late_wake_up_scheduled_in_once_is_no_gil_wait(monkeypatch):
-    """On a fake clock: each wake-up 3 ms late with no run-queue wait. Scheduled in once (the timer's wake-up
-    only: the hypervisor took the CPU, or the process was stopped), it never slept on the GIL, so it records
-    no GIL wait; scheduled in twice, it may have, and the lag stands."""
+    """On a fake clock: each wake-up 3 ms late beyond 1 ms of run-queue wait. Scheduled in once (the timer's
+    wake-up only: the hypervisor took the CPU, or the process was stopped), it never slept on the GIL, so it
+    records no GIL wait; scheduled in twice, or on a kernel that gives no count, it may have, and the lag
+    stands. The run-queue wait is kept as its own series either way."""
+
+    def series(slices):
+        sampler, _ = run_on_fake_clock(monkeypatch, [(3_000_000, 1_000_000, slices)] * 10)
+        return {v for _, v in sampler.series.drain()}, {v for _, v in sampler.run_queue.drain()}
+
+    assert series(1) == ({0.0}, {1.0})
+    assert series(2) == ({3.0}, {1.0})
+    assert series(None) == ({3.0}, {1.0})
+
+
+def test_a_failing_reading_ends_the_gil_monitor_contained_with_its_files_closed(monkeypatch):
+    """An error inside the monitor's loop (here its own schedstat read) is reported as an internal error, not
+    raised into the thread's excepthook; its files are closed and the shipper stops waiting for it."""
     from stagetrace.capture import monitors
 
-    def lags(slices_a_wake_up: int) -> list[float]:
-        clock = {"ns": 10**12}
-        counts = {"slices": 0}
-        sampler = monitors.GilPressureMonitor(0.01, in_flight=lambda: 1)
+    reported, closed = [], []
+    sampler = monitors.GilPressureMonitor(0.001, in_flight=lambda: 1)
 
-        class FakeCpu:
-            schedstat, _pread = True, object()
+    class FailingOwnRunQueue:
+        calls = 0
 
-            def run_queue_and_slices(self) -> tuple[int, int | None]:
-                return 0, counts["slices"]
+        @classmethod
+        def open(cls):
+            return cls()
 
-        def sleep(seconds: float) -> None:
-            clock["ns"] += int(seconds * 1e9) + 3_000_000
-            counts["slices"] += slices_a_wake_up
-            if len(sampler.series._items) >= 10:
-                sampler.stop()
+        def read(self):
+            FailingOwnRunQueue.calls += 1
+            if FailingOwnRunQueue.calls == 3:
+                raise ValueError("a schedstat line this kernel should not write")
+            return 0, 1
 
-        monkeypatch.setattr(monitors, "CpuSignals", FakeCpu)
-        monkeypatch.setattr(monitors, "_perf_ns", lambda: clock["ns"])
-        monkeypatch.setattr(monitors, "_sleep", sleep)
-        sampler._run()
-        return [lag for _, lag in sampler.series.drain()]
+        def close(self):
+            closed.append(self)
 
-    assert set(lags(1)) == {0.0}
-    assert set(lags(2)) == {3.0}
-    assert not monitors.waited_for_no_gil(None, 5) and not monitors.waited_for_no_gil(4, None)
+    monkeypatch.setattr(monitors, "OwnRunQueue", FailingOwnRunQueue)
+    monkeypatch.setattr(monitors, "report_internal_error", reported.append)
+    sampler.ensure_running()
+    sampler._thread.join(5)
+    assert not sampler._thread.is_alive() and reported == ["GIL pressure monitor"] and len(closed) == 1
+    assert sampler.covers(time.time_ns() + 10**12) and sampler._process is None
 
 
 def test_a_gil_monitor_alone_in_its_process_reads_a_free_gil_as_no_wait():

@@ -61,15 +61,6 @@ class CpuSignals:
         if self._pread is None:
             self.read = time.thread_time_ns  # type: ignore[method-assign]  # no run-queue split here
 
-    def run_queue_and_slices(self) -> tuple[int, int | None]:
-        """This thread's cumulative run-queue wait in ns and times scheduled in (schedstat's second and third
-        fields; None where the kernel gives two)."""
-        raw = self.read()
-        if not raw:
-            return 0, None
-        fields = raw.split()
-        return int(fields[1]), int(fields[2]) if len(fields) > 2 else None
-
     def read(self) -> Any:
         try:
             holder = self._local.holder
@@ -78,6 +69,63 @@ class CpuSignals:
         pread: Any = self._pread  # set whenever schedstat is read (see __init__)
         n = pread(holder.fd, holder.buf, 64, 0)
         return holder.buf.raw[:n] if n > 0 else None
+
+
+class OwnRunQueue:
+    """The calling thread's run-queue wait and times scheduled in, read at each of the GIL monitor's wake-ups:
+    one GIL-holding ``pread`` on a file opened on that thread, parsed at once (the monitor needs the numbers,
+    a stage only the raw line). Each wake-up at saturation runs with cold caches, so the fewer objects and
+    calls it touches the less it costs (``benchmarks/monitor_cost.py``)."""
+
+    __slots__ = ("_buf", "_fd", "_pread")
+
+    def __init__(self, fd: int, pread: Any) -> None:
+        self._fd, self._pread = fd, pread
+        self._buf = ctypes.create_string_buffer(64)
+
+    @classmethod
+    def open(cls) -> OwnRunQueue | None:
+        """On the thread to be read; None where the kernel has no schedstat or libc no ``pread``."""
+        if not (sys.platform.startswith("linux") and os.path.exists(_SCHEDSTAT)):
+            return None
+        pread = _gil_holding_pread()
+        if pread is None:
+            return None
+        try:
+            return cls(os.open(_SCHEDSTAT, os.O_RDONLY), pread)
+        except OSError:
+            return None
+
+    def read(self) -> tuple[int, int | None]:
+        """(cumulative run-queue wait in ns, times scheduled in; None where the kernel gives two fields)."""
+        buf = self._buf
+        n = self._pread(self._fd, buf, 64, 0)
+        if n <= 0:
+            return 0, None
+        fields = buf[:n].split()  # type: ignore[attr-defined]  # a c_char array's slice is bytes
+        return int(fields[1]), int(fields[2]) if len(fields) > 2 else None
+
+    def close(self) -> None:
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+
+
+def thread_cpu_clock(tid: int) -> int:
+    """The clock id of a thread's CPU time by its TID, for ``time.clock_gettime_ns``: Linux's
+    ``MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED)``, as glibc and musl build it in ``pthread_getcpuclockid``
+    (which takes a pthread, so only reaches Python's own threads). A kernel ABI; ``ProcessSchedTotals`` checks
+    it against ``time.pthread_getcpuclockid`` on its own thread before it relies on it."""
+    return (~tid << 3) | 6
+
+
+def _thread_cpu_clocks_hold() -> bool:
+    try:
+        clock = time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):
+        return False
+    return clock == thread_cpu_clock(threading.get_native_id())
 
 
 class ProcessSchedTotals:
@@ -99,13 +147,16 @@ class ProcessSchedTotals:
     Both only grow: each thread's positive change is added, a new thread's whole past counted once (too much,
     never too little), a thread that has gone drops out. The thread list is re-read when the number of Python
     threads changed (``threading.active_count``: no syscall, and none that lets the GIL go mid-reading) and
-    every ``relist_every`` calls, for threads started outside Python; one ``pread`` per thread otherwise. A
-    thread found only at a later reading would leave its time out of the windows before then: a worker thread
-    started for a request, its own stage's CPU missing from the total the stage's is taken from.
+    every ``relist_every`` calls, for threads started outside Python. A thread found only at a later reading
+    would leave its time out of the windows before then: a worker thread started for a request, its own
+    stage's CPU missing from the total the stage's is taken from.
 
-    The reads take the GIL-holding ``pread``, so no thread that needs the GIL runs while they are taken: a
-    holder's on-CPU time is current (a thread running on another CPU is counted only up to its last
-    scheduler tick)."""
+    Each thread costs one ``clock_gettime`` of its CPU clock (``thread_cpu_clock``: current to the
+    nanosecond, a running thread's slice included); only a thread whose CPU time grew since the last reading
+    costs a ``pread`` of its schedstat for its run-queue wait. A thread not scheduled in since cannot have
+    more of it: the kernel adds a wait to it as the thread is scheduled in, and the thread then runs. So the
+    parked threads of a pool cost a system call each and no file read (``benchmarks/monitor_cost.py``). Both
+    calls keep the GIL, so no thread that needs it runs while a reading is taken."""
 
     def __init__(self, reader_tid: int, relist_every: int = 10) -> None:
         self._reader = reader_tid
@@ -113,14 +164,16 @@ class ProcessSchedTotals:
         self._calls = 0
         self._python_threads = -1  # threading.active_count() at the last relist
         self._fds: dict[int, int] = {}
+        self._clocks: dict[int, int] = {}  # thread: its CPU clock's id, for every thread in _fds
         self._last_cpu: dict[int, int] = {}
         self._last_run_queue: dict[int, int] = {}
         self._run_queue_ns = 0
         self._cpu_ns = 0
         self._buf = ctypes.create_string_buffer(64)
         self._pread = _gil_holding_pread()
+        self._clock_ns = time.clock_gettime_ns
         self._lock = threading.Lock()  # read on the sampler's thread and the helper thread
-        self.available = self._pread is not None and os.path.isdir(_TASKS)
+        self.available = self._pread is not None and os.path.isdir(_TASKS) and _thread_cpu_clocks_hold()
 
     def totals_ms(self) -> tuple[float, float]:
         """(the other threads' run-queue wait, every thread's on-CPU time), cumulative ms."""
@@ -135,29 +188,35 @@ class ProcessSchedTotals:
         self._calls += 1
         # (one pass a thread, at every contended wake-up under load: no tuples, no max(), one copy of the line)
         pread: Any = self._pread
-        buf, reader = self._buf, self._reader
+        clock_ns, buf, reader, fds = self._clock_ns, self._buf, self._reader, self._fds
         last_cpu, last_run_queue = self._last_cpu, self._last_run_queue
         cpu_ns, run_queue_ns = self._cpu_ns, self._run_queue_ns
-        for tid, fd in list(self._fds.items()):
-            n = pread(fd, buf, 64, 0)
-            if n <= 0:
-                self._forget(tid)
-                continue
-            fields = buf[:n].split(None, 2)  # type: ignore[attr-defined]  # a c_char array's slice is bytes
+        for tid, clock in list(self._clocks.items()):
             try:
-                cpu, rq = int(fields[0]), int(fields[1])
-            except (ValueError, IndexError):
+                cpu = clock_ns(clock)
+            except OSError:  # gone
                 self._forget(tid)
                 continue
             grew = cpu - last_cpu.get(tid, 0)
-            if grew > 0:
-                cpu_ns += grew
+            if grew <= 0:
+                continue  # not scheduled in since the last reading: its run-queue wait is as it was
+            cpu_ns += grew
             last_cpu[tid] = cpu
-            if tid != reader:
-                grew = rq - last_run_queue.get(tid, 0)
-                if grew > 0:
-                    run_queue_ns += grew
-                last_run_queue[tid] = rq
+            if tid == reader:
+                continue
+            n = pread(fds[tid], buf, 64, 0)
+            if n <= 0:
+                self._forget(tid)
+                continue
+            try:
+                rq = int(buf[:n].split(None, 2)[1])  # type: ignore[attr-defined]  # a c_char array's slice is bytes
+            except (ValueError, IndexError):
+                self._forget(tid)
+                continue
+            grew = rq - last_run_queue.get(tid, 0)
+            if grew > 0:
+                run_queue_ns += grew
+            last_run_queue[tid] = rq
         self._cpu_ns, self._run_queue_ns = cpu_ns, run_queue_ns
         return run_queue_ns / 1e6, cpu_ns / 1e6
 
@@ -173,9 +232,11 @@ class ProcessSchedTotals:
                 self._fds[tid] = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
             except OSError:
                 continue
+            self._clocks[tid] = thread_cpu_clock(tid)
 
     def _forget(self, tid: int) -> None:
         fd = self._fds.pop(tid, None)
+        self._clocks.pop(tid, None)
         self._last_cpu.pop(tid, None)
         self._last_run_queue.pop(tid, None)
         if fd is not None:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from stagetrace._safety import report_internal_error
-from stagetrace.capture.cpu import CpuSignals, ProcessSchedTotals
+from stagetrace.capture.cpu import CpuSignals, OwnRunQueue, ProcessSchedTotals
 from stagetrace.common.schedstat import loop_held_ms
 
 _perf_ns = time.perf_counter_ns
@@ -44,9 +44,7 @@ class DrainQueue(Generic[T]):
 
     def __init__(self, max_items: int = 8192) -> None:
         self._items: deque[T] = deque(maxlen=max_items)
-
-    def put(self, item: T) -> None:
-        self._items.append(item)
+        self.put: Callable[[T], None] = self._items.append  # (the deque's own: no Python frame a put)
 
     def drain(self) -> list[T]:
         out, pop = [], self._items.popleft
@@ -62,37 +60,6 @@ class SampleBuffer(DrainQueue[tuple[int, float]]):
 
     def add(self, value: float) -> None:
         self._items.append((time.time_ns(), value))
-
-
-def waited_for_no_gil(slices_before: int | None, slices_after: int | None) -> bool:
-    """Whether the GIL monitor's thread, scheduled in ``slices_after - slices_before`` times over a wake-up,
-    cannot have waited for the GIL: its timer's wake-up is one, and a wait for the GIL (asleep on the GIL's
-    condition until a holder lets go) or a preemption another. Unknown counts (a kernel without them): False."""
-    return slices_before is not None and slices_after is not None and slices_after - slices_before <= 1
-
-
-class ProcessReadSchedule:
-    """When the GIL monitor reads the process's run-queue total: at the first wake-up of a busy stretch, at
-    every wake-up after one that waited (for the GIL or for a CPU), and every ``every`` wake-ups otherwise."""
-
-    __slots__ = ("every", "unread")
-
-    def __init__(self, every: int = PROCESS_READ_EVERY) -> None:
-        self.every = every
-        self.unread = every  # wake-ups since the last read
-
-    def due(self) -> bool:
-        if self.unread >= self.every:
-            self.unread = 0
-            return True
-        return False
-
-    def woke(self, lag_ns: float, run_queue_ns: float) -> None:
-        waited = lag_ns >= CONTENDED_LAG_NS or run_queue_ns >= CONTENDED_RUN_QUEUE_NS
-        self.unread = self.every if waited else self.unread + 1
-
-    def restart(self) -> None:
-        self.unread = self.every
 
 
 class GilPressureMonitor:
@@ -141,67 +108,82 @@ class GilPressureMonitor:
         self._thread.start()
 
     def _run(self) -> None:
+        # One function, its names bound once: at saturation each wake-up runs with cold caches, and each call
+        # and attribute it touches costs (benchmarks/monitor_cost.py). The reading of the process's totals
+        # is due at the first wake-up of a busy stretch, at every wake-up after one that waited (for the GIL
+        # or for a CPU) and every PROCESS_READ_EVERY otherwise (``unread``: wake-ups since the last).
         period = self.period_s
-        cpu = CpuSignals()
-        reading = cpu.run_queue_and_slices if cpu.schedstat and cpu._pread is not None else None
-        process = ProcessSchedTotals(threading.get_native_id()) if reading else None
+        period_ns = period * 1e9
+        own = OwnRunQueue.open()
+        reading = own.read if own is not None else None
+        process = ProcessSchedTotals(threading.get_native_id()) if own is not None else None
         self._process = process if process is not None and process.available else None
-        in_flight, wake = self._in_flight, self.wake
+        in_flight, wake, stopping = self._in_flight, self.wake, self._stop.is_set
+        add_gil_wait, add_run_queue = self.series.put, self.run_queue.put
+        perf_ns, time_ns, sleep, every = _perf_ns, time.time_ns, _sleep, PROCESS_READ_EVERY
         # Each wake-up's lag runs from the end of the previous one, so that it also counts the GIL waits of
         # the loop's own few lines: under heavy contention each of them can wait a switch interval, and a
         # lag timed from just before the sleep would leave those stretches (tens of ms) in no sample.
-        rq0, slices0, t0 = 0, None, 0
-        schedule = ProcessReadSchedule()
-        while not self._stop.is_set():
-            if in_flight is not None and not in_flight():
-                if t0 and self._process is not None:
-                    # the first wake-up with nothing in flight: a reading just after the last trace's end, so that
-                    # the readings bracket it closely and not across the idle time until the next burst
+        rq0, slices0, t0, unread = 0, None, 0, every
+        try:
+            while not stopping():
+                if in_flight is not None and not in_flight():
+                    if t0 and self._process is not None:
+                        # the first wake-up with nothing in flight: a reading just after the last trace's end, so that
+                        # the readings bracket it closely and not across the idle time until the next burst
+                        self._note_process_totals(self._process)
+                        self.process_reads += 1
+                    wake.clear()  # before the check: a trace opened from here on sets it again
+                    if not in_flight():
+                        self.idle_waits += 1
+                        self.last_wake_ns = time_ns()
+                        wake.wait(IDLE_CHECK_S)
+                    t0, unread = 0, every
+                    continue
+                if not t0:
+                    rq0, slices0 = reading() if reading is not None else (0, None)
+                    t0 = perf_ns()
+                read_ns = 0
+                if unread >= every and self._process is not None:
+                    read_start = perf_ns()
                     self._note_process_totals(self._process)
+                    read_ns = perf_ns() - read_start
                     self.process_reads += 1
-                wake.clear()  # before the check: a trace opened from here on sets it again
-                if not in_flight():
-                    self.idle_waits += 1
-                    self.last_wake_ns = time.time_ns()
-                    wake.wait(IDLE_CHECK_S)
-                t0 = 0
-                schedule.restart()
-                continue
-            if not t0:
-                rq0, slices0 = reading() if reading else (0, None)
-                t0 = _perf_ns()
-            read_ns = 0
-            if self._process is not None and schedule.due():
-                read_start = _perf_ns()
-                self._note_process_totals(self._process)
-                read_ns = _perf_ns() - read_start
-                self.process_reads += 1
-            _sleep(period)
-            t1 = _perf_ns()
-            lag_ns = t1 - t0 - period * 1e9
-            rq_ns = 0
-            if reading:
-                # The OS's part of the delay (waiting for a CPU after the timer fired) is this thread's
-                # run-queue time; what remains is the wait for the GIL, if it slept on the GIL at all.
-                rq1, slices1 = reading()
-                rq_ns = rq1 - rq0
-                lag_ns -= rq_ns
-                self.run_queue.add(max(0.0, rq_ns / 1e6))
-                gil_ns = 0.0 if waited_for_no_gil(slices0, slices1) else lag_ns
-                rq0, slices0 = rq1, slices1
-            else:
-                gil_ns = lag_ns
-            t0 = t1
-            self.wakeups += 1
-            self.series.add(max(0.0, gil_ns / 1e6))
-            self.last_wake_ns = time.time_ns()
-            # Any lateness brings the next reading of the totals forward (a stage's bounds are read between
-            # the readings around it: a quiet stretch read only every few wake-ups would widen them); the
-            # reading's own time is in this lag, and must not make the next wake-up read again.
-            schedule.woke(lag_ns - read_ns, rq_ns)
-        self._process = None
-        if process is not None:
-            process.close()
+                    unread = 0
+                sleep(period)
+                t1 = perf_ns()
+                now = time_ns()
+                lag_ns = t1 - t0 - period_ns
+                rq_ns = 0
+                if reading is not None:
+                    # The OS's part of the delay (waiting for a CPU after the timer fired) is this thread's
+                    # run-queue time; what remains is the wait for the GIL, if it slept on the GIL at all: a
+                    # wake-up scheduled in only once (the timer's) did not (kernels without the count: it may have).
+                    rq1, slices1 = reading()
+                    rq_ns = rq1 - rq0
+                    lag_ns -= rq_ns
+                    add_run_queue((now, rq_ns / 1e6 if rq_ns > 0 else 0.0))
+                    gil_ns = 0.0 if slices0 is not None and slices1 is not None and slices1 - slices0 <= 1 else lag_ns
+                    rq0, slices0 = rq1, slices1
+                else:
+                    gil_ns = lag_ns
+                t0 = t1
+                self.wakeups += 1
+                add_gil_wait((now, gil_ns / 1e6 if gil_ns > 0 else 0.0))
+                self.last_wake_ns = now
+                # Any lateness brings the next reading of the totals forward (a stage's bounds are read between
+                # the readings around it: a quiet stretch read only every few wake-ups would widen them); the
+                # reading's own time is in this lag, and must not make the next wake-up read again.
+                lag_ns -= read_ns
+                unread = every if lag_ns >= CONTENDED_LAG_NS or rq_ns >= CONTENDED_RUN_QUEUE_NS else unread + 1
+        except Exception:  # the thread ends; the application goes on, its traces judged without it
+            report_internal_error("GIL pressure monitor")
+        finally:
+            self._process = None
+            if process is not None:
+                process.close()
+            if own is not None:
+                own.close()
 
     def covers(self, epoch_ns: int) -> bool:
         """Whether the readings so far reach ``epoch_ns`` (always, with the thread not running): a trace that
@@ -222,10 +204,11 @@ class GilPressureMonitor:
     def _note_process_totals(self, process: ProcessSchedTotals) -> None:
         with self._totals_lock:  # cumulative series: a later sample never carries an earlier reading
             run_queue_ms, cpu_ms = process.totals_ms()
-            self.process_run_queue.add(run_queue_ms)
-            self.process_cpu.add(cpu_ms)
+            now = time.time_ns()
+            self.process_run_queue.put((now, run_queue_ms))
+            self.process_cpu.put((now, cpu_ms))
             if self._in_flight is not None:  # beside the totals: how many requests shared those CPUs
-                self.in_flight.add(self._in_flight())
+                self.in_flight.put((now, self._in_flight()))
 
     def stop(self) -> None:
         self._stop.set()
