@@ -153,7 +153,7 @@ def test_the_process_totals_grow_with_every_thread_on_real_threads():
     assert rq_during > rq_before and rq_after >= rq_during
     assert cpu_during > cpu_before and cpu_after - cpu_during >= 40.0
     reader.close()
-    assert reader._fds == {} and reader._clocks == {}
+    assert reader._fds == reader._clocks == reader._last_clock == {}
 
 
 def test_the_exporter_reads_the_other_threads_beside_the_stages_the_blocked_cause_rules_look_at():
@@ -215,23 +215,24 @@ def test_a_thread_started_between_two_readings_is_in_the_second():
 
 
 def test_the_process_totals_count_each_change_once_and_leave_out_the_readers_run_queue(monkeypatch):
-    """On faked threads (CPU clock ns; schedstat: on-CPU ns, run-queue ns, slices): a thread's first reading
-    counts its whole past, later ones their growth; a thread whose CPU clock did not move is not read (it was
-    not scheduled in, so its run-queue wait cannot have grown); a thread that went drops out without taking
-    anything back; the reader's run-queue wait is its own signal, not another thread's."""
+    """On faked threads (a CPU clock each; schedstat: on-CPU ns, run-queue ns, slices): a thread's first reading
+    counts its whole past, later ones their growth, both from its file as a stage's own are; a thread whose
+    clock did not move is not read (not scheduled in: nothing to add yet) but for every relist_every-th
+    reading; a thread that went drops out without taking anything back; a clock that went back is a new thread
+    with the TID, read afresh; the reader's run-queue wait is its own signal, not another thread's."""
     from stagetrace.capture import cpu as cpu_module
 
     clocks = {11: 5_000_000, 22: 2_000_000}  # 11 reads; 22 is another thread
     files = {11: b"5000000 1000000 3\n", 22: b"2000000 4000000 7\n"}
     reads = []
-    reader = cpu_module.ProcessSchedTotals(11, relist_every=1)
+    reader = cpu_module.ProcessSchedTotals(11, relist_every=1000)
 
     def relist() -> None:  # the real one, but for the fds (forgetting a thread closes its fd)
         reader._fds = {tid: tid for tid in files}
         reader._clocks = {tid: tid for tid in files}
         for tid in set(reader._last_cpu) - set(files):
-            reader._last_cpu.pop(tid)
-            reader._last_run_queue.pop(tid, None)
+            for last in (reader._last_clock, reader._last_cpu, reader._last_run_queue):
+                last.pop(tid, None)
 
     def clock_ns(clock):
         if clock not in clocks:
@@ -247,20 +248,26 @@ def test_the_process_totals_count_each_change_once_and_leave_out_the_readers_run
     monkeypatch.setattr(reader, "_relist", relist)
     reader._pread, reader._clock_ns = pread, clock_ns
     assert reader.totals_ms() == (4.0, 7.0)  # whole pasts: 22's run-queue, both threads' on-CPU
-    assert reads == [22]  # the reader's own schedstat is not read: its run-queue wait is left out
-    clocks[11], clocks[22] = 9_000_000, 2_500_000
+    clocks[11], clocks[22] = 9_100_000, 2_600_000  # (the clocks run ahead of the files: never read for counts)
     files[11], files[22] = b"9000000 3000000 4\n", b"2500000 6000000 8\n"
-    assert reader.totals_ms() == (6.0, 11.5)  # +2 ms queued (22's), +4 and +0.5 ms on-CPU
+    assert reader.totals_ms() == (6.0, 11.5)  # +2 ms queued (22's; 11's is its own), +4 and +0.5 ms on-CPU
     reads.clear()
-    clocks[11] = 9_500_000
-    assert reader.totals_ms() == (6.0, 12.0) and reads == []  # 22 did not run: not read, nothing added
-    del files[22], clocks[22]
-    clocks[11] = 10_000_000
-    assert reader.totals_ms() == (6.0, 12.5)  # 22 went: its count stays, nothing more from it
-    files[22], clocks[22] = b"bad", 3_000_000  # a new 22, its file unreadable: dropped, never an error
-    clocks[11] = 10_500_000
-    assert reader.totals_ms() == (6.0, 16.0)  # its whole past on-CPU counted before its file failed
-    assert 22 not in reader._clocks
+    clocks[11], files[11] = 9_600_000, b"9500000 3000000 5\n"
+    assert reader.totals_ms() == (6.0, 12.0) and reads == [11]  # 22 did not run: not read, nothing added
+    files[22] = b"2600000 6500000 9\n"  # moved to another CPU while queued: a wait added, its clock still
+    reader._calls = 1000  # every relist_every-th reading reads every thread
+    assert reader.totals_ms() == (6.5, 12.1) and 22 in reads
+    del clocks[22]  # 22 went: its clock says so before any relist
+    clocks[11], files[11] = 10_100_000, b"10000000 3000000 6\n"
+    assert reader.totals_ms() == (6.5, 12.6) and 22 not in reader._clocks  # its counts stay, nothing more
+    clocks[22], files[22] = 3_000_000, b"3000000 500000 1\n"  # a new thread, listed at the next relist
+    reader._python_threads = -1
+    assert reader.totals_ms() == (7.0, 15.6)  # its whole past
+    clocks[22], files[22] = 1_000_000, b"1000000 200000 1\n"  # its TID taken by another new thread
+    assert reader.totals_ms() == (7.0, 15.6) and 22 not in reader._clocks  # forgotten, not taken back
+    assert reader.totals_ms() == (7.2, 16.6)  # relisted at the next reading: its whole past
+    files[22], clocks[22] = b"bad", 2_000_000  # an unreadable file is dropped, never an error
+    assert reader.totals_ms() == (7.2, 16.6) and 22 not in reader._clocks
 
 
 def test_a_threads_cpu_clock_is_built_from_its_tid_as_the_c_library_builds_it():
@@ -540,7 +547,23 @@ def run_on_fake_clock(monkeypatch, wakeups, *, reading_ns=0, idle_after=frozense
 
     clock, own = {"ns": 10**12}, {"rq": 0, "slices": 0}
     readings, per_sleep, flying = [0], [], []
-    sampler = monitors.GilPressureMonitor(0.01, in_flight=lambda: flying.pop() if flying else 1)
+
+    def in_flight():
+        if not flying:
+            return 1
+        count = flying.pop()
+        if not count:
+            clock["ns"] += 10**9  # a second idle: no lag of the next stretch's first wake-up
+        return count
+
+    sampler = monitors.GilPressureMonitor(0.01, in_flight=in_flight)
+    append_gil_wait = sampler.series.put
+
+    def gil_wait_in_order(sample):  # a trace is judged once last_wake_ns reaches its end: samples first
+        assert sampler.last_wake_ns < sample[0]
+        append_gil_wait(sample)
+
+    sampler.series.put = gil_wait_in_order
 
     class FakeOwnRunQueue:
         @classmethod
@@ -597,9 +620,10 @@ def test_the_process_totals_are_read_after_every_wait_and_every_fifth_quiet_wake
     script = [quiet, waited_for_the_gil, quiet, waited_for_a_cpu, quiet, quiet]
     _, reads = run_on_fake_clock(monkeypatch, script)
     assert reads == [1, 0, 1, 0, 1, 0]  # the wake-up after either kind of wait reads
-    # back from idle: a reading as the last trace ends, and the first wake-up of the new stretch reads again
-    _, reads = run_on_fake_clock(monkeypatch, [quiet] * 4, idle_after={1})
-    assert reads == [1, 0, 2, 0]
+    # back from idle: a reading as the last trace ends, and the first wake-up of the new stretch reads again;
+    # the idle time is no wake-up's lag
+    sampler, reads = run_on_fake_clock(monkeypatch, [(0, 0, 2)] * 4, idle_after={1})
+    assert reads == [1, 0, 2, 0] and {v for _, v in sampler.series.drain()} == {0.0}
 
 
 def test_a_sampler_beside_a_thread_holding_the_gil_reads_the_run_queue_at_most_wake_ups():
@@ -664,6 +688,18 @@ def test_a_failing_reading_ends_the_gil_monitor_contained_with_its_files_closed(
     reported, closed = [], []
     sampler = monitors.GilPressureMonitor(0.001, in_flight=lambda: 1)
 
+    class FakeProcess:
+        available = True
+
+        def __init__(self, tid):
+            pass
+
+        def totals_ms(self):
+            return 0.0, 0.0
+
+        def close(self):
+            closed.append(self)
+
     class FailingOwnRunQueue:
         calls = 0
 
@@ -681,10 +717,12 @@ def test_a_failing_reading_ends_the_gil_monitor_contained_with_its_files_closed(
             closed.append(self)
 
     monkeypatch.setattr(monitors, "OwnRunQueue", FailingOwnRunQueue)
+    monkeypatch.setattr(monitors, "ProcessSchedTotals", FakeProcess)
     monkeypatch.setattr(monitors, "report_internal_error", reported.append)
     sampler.ensure_running()
     sampler._thread.join(5)
-    assert not sampler._thread.is_alive() and reported == ["GIL pressure monitor"] and len(closed) == 1
+    assert not sampler._thread.is_alive() and reported == ["GIL pressure monitor"]
+    assert sorted(type(c).__name__ for c in closed) == ["FailingOwnRunQueue", "FakeProcess"]
     assert sampler.covers(time.time_ns() + 10**12) and sampler._process is None
 
 

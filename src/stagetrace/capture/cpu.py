@@ -151,12 +151,17 @@ class ProcessSchedTotals:
     would leave its time out of the windows before then: a worker thread started for a request, its own
     stage's CPU missing from the total the stage's is taken from.
 
-    Each thread costs one ``clock_gettime`` of its CPU clock (``thread_cpu_clock``: current to the
-    nanosecond, a running thread's slice included); only a thread whose CPU time grew since the last reading
-    costs a ``pread`` of its schedstat for its run-queue wait. A thread not scheduled in since cannot have
-    more of it: the kernel adds a wait to it as the thread is scheduled in, and the thread then runs. So the
-    parked threads of a pool cost a system call each and no file read (``benchmarks/monitor_cost.py``). Both
-    calls keep the GIL, so no thread that needs it runs while a reading is taken."""
+    Each thread costs one ``clock_gettime`` of its CPU clock (``thread_cpu_clock``), and only a thread whose
+    clock moved since the last reading a ``pread`` of its schedstat; both counts come from that file, as a
+    stage's own do (``CpuSignals.read``), so that the other threads' share, the total less the stage's own, is
+    never taken from two clocks that run apart (the clock includes a running thread's current slice, the file
+    only up to its last tick). The kernel adds a wait for a CPU to a thread's count as it is scheduled in (or
+    taken off a run queue to move to another CPU), so a thread whose clock did not move has at most the wait
+    of a move still to add, and it is counted at the first reading after the thread runs again; every
+    ``relist_every``-th reading reads every thread, which bounds that delay. So the parked threads of a pool
+    cost a system call each and no file read (``benchmarks/monitor_cost.py``). Both calls keep the GIL, so
+    no thread that needs it runs while a reading is taken. A thread whose clock went back is a new thread
+    with a dead one's TID: it is read afresh (its file reopened) from the next reading."""
 
     def __init__(self, reader_tid: int, relist_every: int = 10) -> None:
         self._reader = reader_tid
@@ -165,6 +170,7 @@ class ProcessSchedTotals:
         self._python_threads = -1  # threading.active_count() at the last relist
         self._fds: dict[int, int] = {}
         self._clocks: dict[int, int] = {}  # thread: its CPU clock's id, for every thread in _fds
+        self._last_clock: dict[int, int] = {}  # thread: its CPU clock at its last read
         self._last_cpu: dict[int, int] = {}
         self._last_run_queue: dict[int, int] = {}
         self._run_queue_ns = 0
@@ -182,41 +188,48 @@ class ProcessSchedTotals:
 
     def _read_totals_ms(self) -> tuple[float, float]:
         python_threads = threading.active_count()
-        if python_threads != self._python_threads or self._calls % self._relist_every == 0:
+        every_thread = python_threads != self._python_threads or self._calls % self._relist_every == 0
+        if every_thread:
             self._python_threads = python_threads
             self._relist()
         self._calls += 1
         # (one pass a thread, at every contended wake-up under load: no tuples, no max(), one copy of the line)
         pread: Any = self._pread
         clock_ns, buf, reader, fds = self._clock_ns, self._buf, self._reader, self._fds
-        last_cpu, last_run_queue = self._last_cpu, self._last_run_queue
+        last_clock, last_cpu, last_run_queue = self._last_clock, self._last_cpu, self._last_run_queue
         cpu_ns, run_queue_ns = self._cpu_ns, self._run_queue_ns
         for tid, clock in list(self._clocks.items()):
             try:
-                cpu = clock_ns(clock)
+                now = clock_ns(clock)
             except OSError:  # gone
                 self._forget(tid)
                 continue
-            grew = cpu - last_cpu.get(tid, 0)
-            if grew <= 0:
-                continue  # not scheduled in since the last reading: its run-queue wait is as it was
-            cpu_ns += grew
-            last_cpu[tid] = cpu
-            if tid == reader:
-                continue
+            before = last_clock.get(tid, -1)
+            if now <= before and not every_thread:
+                if now < before:  # a new thread with a gone one's TID: the next relist opens its file
+                    self._forget(tid)
+                    self._python_threads = -1
+                continue  # not scheduled in since the last read: its counts are as they were
+            last_clock[tid] = now
             n = pread(fds[tid], buf, 64, 0)
             if n <= 0:
                 self._forget(tid)
                 continue
+            fields = buf[:n].split(None, 2)  # type: ignore[attr-defined]  # a c_char array's slice is bytes
             try:
-                rq = int(buf[:n].split(None, 2)[1])  # type: ignore[attr-defined]  # a c_char array's slice is bytes
+                cpu, rq = int(fields[0]), int(fields[1])
             except (ValueError, IndexError):
                 self._forget(tid)
                 continue
-            grew = rq - last_run_queue.get(tid, 0)
+            grew = cpu - last_cpu.get(tid, 0)
             if grew > 0:
-                run_queue_ns += grew
-            last_run_queue[tid] = rq
+                cpu_ns += grew
+            last_cpu[tid] = cpu
+            if tid != reader:
+                grew = rq - last_run_queue.get(tid, 0)
+                if grew > 0:
+                    run_queue_ns += grew
+                last_run_queue[tid] = rq
         self._cpu_ns, self._run_queue_ns = cpu_ns, run_queue_ns
         return run_queue_ns / 1e6, cpu_ns / 1e6
 
@@ -237,6 +250,7 @@ class ProcessSchedTotals:
     def _forget(self, tid: int) -> None:
         fd = self._fds.pop(tid, None)
         self._clocks.pop(tid, None)
+        self._last_clock.pop(tid, None)
         self._last_cpu.pop(tid, None)
         self._last_run_queue.pop(tid, None)
         if fd is not None:
