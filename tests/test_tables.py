@@ -170,3 +170,17 @@ def test_a_light_span_packs_each_rarely_set_field_in_its_place():
     assert (packed["dropped_attributes"], packed["dropped_events"], packed["dropped_links"]) == (1, 2, 3)
     assert (packed["scope_name"], packed["scope_version"], packed["flags"]) == ("lib", "1.0", 1)
     assert type(packed["flags"]) is int and type(packed["kind"]) is int  # plain, for marshal
+
+
+def test_a_scopes_name_and_version_are_its_own_even_where_a_gone_scopes_id_is_remembered():
+    """Read once a scope and remembered by id: an entry whose scope is not this one (an id a gone scope had)
+    is replaced, never read as this scope's; a span without a scope crosses as two empty strings."""
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+    from stagetrace.common import wire
+
+    gone, scope = InstrumentationScope("gone", "1.0"), InstrumentationScope("fastapi", None)
+    wire._SCOPE_FIELDS[id(scope)] = (gone, ("gone", "1.0"))
+    assert wire.scope_fields(scope) == ("fastapi", "")
+    assert wire.scope_fields(scope) == ("fastapi", "") and wire._SCOPE_FIELDS[id(scope)][0] is scope
+    assert wire.scope_fields(None) == ("", "")

@@ -21,8 +21,13 @@ _TASKS = "/proc/self/task"
 _perf_ns = time.perf_counter_ns
 
 
+def _has_schedstat() -> bool:
+    return sys.platform.startswith("linux") and os.path.exists(_SCHEDSTAT)
+
+
 class _ThreadFd:
-    """The thread's schedstat fd and read buffer; the fd closes when the thread's locals go away."""
+    """The calling thread's schedstat fd and read buffer; the fd closes when the holder goes (a stage's: with
+    the thread's locals), or at ``close()``."""
 
     __slots__ = ("buf", "fd")
 
@@ -30,11 +35,16 @@ class _ThreadFd:
         self.fd = os.open(_SCHEDSTAT, os.O_RDONLY)
         self.buf = ctypes.create_string_buffer(64)
 
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1  # (never closed twice: the number may be another file's by then)
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
     def __del__(self) -> None:
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
+        self.close()
 
 
 def _gil_holding_pread() -> Any:
@@ -55,7 +65,7 @@ class CpuSignals:
     GIL held); the exporter parses them."""
 
     def __init__(self) -> None:
-        self.schedstat = sys.platform.startswith("linux") and os.path.exists(_SCHEDSTAT)
+        self.schedstat = _has_schedstat()
         self._local = threading.local()
         self._pread = _gil_holding_pread() if self.schedstat else None
         if self._pread is None:
@@ -71,45 +81,37 @@ class CpuSignals:
         return holder.buf.raw[:n] if n > 0 else None
 
 
-class OwnRunQueue:
+class OwnRunQueue(_ThreadFd):
     """The calling thread's run-queue wait and times scheduled in, read at each of the GIL monitor's wake-ups:
     one GIL-holding ``pread`` on a file opened on that thread, parsed at once (the monitor needs the numbers,
     a stage only the raw line). Each wake-up at saturation runs with cold caches, so the fewer objects and
     calls it touches the less it costs (``benchmarks/monitor_cost.py``)."""
 
-    __slots__ = ("_buf", "_fd", "_pread")
+    __slots__ = ("_pread",)
 
-    def __init__(self, fd: int, pread: Any) -> None:
-        self._fd, self._pread = fd, pread
-        self._buf = ctypes.create_string_buffer(64)
+    def __init__(self, pread: Any) -> None:
+        super().__init__()
+        self._pread = pread
 
     @classmethod
     def open(cls) -> OwnRunQueue | None:
         """On the thread to be read; None where the kernel has no schedstat or libc no ``pread``."""
-        if not (sys.platform.startswith("linux") and os.path.exists(_SCHEDSTAT)):
-            return None
-        pread = _gil_holding_pread()
+        pread = _gil_holding_pread() if _has_schedstat() else None
         if pread is None:
             return None
         try:
-            return cls(os.open(_SCHEDSTAT, os.O_RDONLY), pread)
+            return cls(pread)
         except OSError:
             return None
 
     def read(self) -> tuple[int, int | None]:
         """(cumulative run-queue wait in ns, times scheduled in; None where the kernel gives two fields)."""
-        buf = self._buf
-        n = self._pread(self._fd, buf, 64, 0)
+        buf = self.buf
+        n = self._pread(self.fd, buf, 64, 0)
         if n <= 0:
             return 0, None
         fields = buf[:n].split()  # type: ignore[attr-defined]  # a c_char array's slice is bytes
         return int(fields[1]), int(fields[2]) if len(fields) > 2 else None
-
-    def close(self) -> None:
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass
 
 
 def thread_cpu_clock(tid: int) -> int:

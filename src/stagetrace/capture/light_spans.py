@@ -34,7 +34,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 from stagetrace._compat import clean_attribute_value_as_sdk
 from stagetrace._safety import report_internal_error
 from stagetrace.capture.records import SpanContextOnDemand
-from stagetrace.common.wire import FLAGS_MASK, link_flags, trace_state_header
+from stagetrace.common.wire import FLAGS_MASK, link_flags, scope_fields, trace_state_header
 
 # The SDK's own logger and messages, so that a misuse reads the same whichever span class caught it.
 _sdk_logger = logging.getLogger("opentelemetry.sdk.trace")
@@ -395,19 +395,6 @@ _RARELY_SET = tuple(
     )
 )
 _RARELY_SET_DEFAULTS = tuple(default for _, default in _RARELY_SET)
-# by id; each entry holds its scope, so that no other object can take the id while the entry is there
-_SCOPES: dict[int, tuple[InstrumentationScope, tuple[str, str]]] = {}
-
-
-def scope_fields(scope: InstrumentationScope) -> tuple[str, str]:
-    """An instrumentation scope's name and version (or ""), read once a scope: both are properties, a Python
-    call each, for every span a scope (a handful in a process) gives."""
-    known = _SCOPES.get(id(scope))
-    if known is None or known[0] is not scope:
-        if len(_SCOPES) >= 1024:  # scopes made per call somewhere: stay bounded
-            _SCOPES.clear()
-        known = _SCOPES[id(scope)] = (scope, (scope.name, scope.version or ""))
-    return known[1]
 
 
 def start_links(span: LightSpan, links: Sequence[trace_api.Link] | None) -> None:

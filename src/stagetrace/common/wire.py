@@ -323,7 +323,7 @@ _TRACE_ROOT, _TRACE_STAGES, _TRACE_OTHERS, _TRACE_STREAM = (
 # --- spans --------------------------------------------------------------------------------------------
 class WireSpan(NamedTuple):
     """A span as the exporter process reads it: the fields of its wire tuple by name. On the channel it is a
-    plain tuple in this order (``marshal`` takes no subclasses): ``pack_span`` and ``LightSpan.packed`` make
+    plain tuple in this order (``marshal`` takes no subclasses): ``pack_span`` and ``LightSpan.wire_tuple`` make
     one, ``check_span`` reads one back as this."""
 
     name: str
@@ -372,12 +372,29 @@ def _plain_attributes(attributes: Any) -> dict[str, Any]:
 # calls the enum's Python ``__hash__`` (~1.3 k instructions, on the helper thread for every span).
 
 
+# by id; each entry holds its scope, so that no other object can take the id while the entry is there
+_SCOPE_FIELDS: dict[int, tuple[InstrumentationScope, tuple[str, str]]] = {}
+
+
+def scope_fields(scope: InstrumentationScope | None) -> tuple[str, str]:
+    """An instrumentation scope's name and version ("" for none), read once a scope: both are properties, a
+    Python call each, for every span a scope (a handful in a process) gives."""
+    if scope is None:
+        return "", ""
+    known = _SCOPE_FIELDS.get(id(scope))
+    if known is None or known[0] is not scope:
+        if len(_SCOPE_FIELDS) >= 1024:  # scopes made per call somewhere: stay bounded
+            _SCOPE_FIELDS.clear()
+        known = _SCOPE_FIELDS[id(scope)] = (scope, (scope.name, scope.version or ""))
+    return known[1]
+
+
 def pack_span(span: ReadableSpan) -> tuple[Any, ...]:
     """An SDK span as its wire tuple (``WireSpan``'s fields in order, a plain tuple for ``marshal``). Runs on
     the application's helper thread, never a request thread."""
     ctx = span.context
     parent = span.parent
-    scope = span.instrumentation_scope
+    scope_name, scope_version = scope_fields(span.instrumentation_scope)
     status = span.status
     return (
         span.name,
@@ -402,8 +419,8 @@ def pack_span(span: ReadableSpan) -> tuple[Any, ...]:
         ),
         status.status_code._value_,
         status.description or "",
-        scope.name if scope is not None else "",
-        (scope.version or "") if scope is not None else "",
+        scope_name,
+        scope_version,
         ctx.trace_flags & FLAGS_MASK,
         trace_state_header(ctx.trace_state),
         span.dropped_attributes,
