@@ -8,8 +8,16 @@ wrong bound, constant, default or rounding gives a different answer."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any
 
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stagetrace import _compiled
 from stagetrace.analysis.loopwait import LoopBlock
 from stagetrace.analysis.model import CompressedInfo
 from stagetrace.analysis.signals import ProcessLoad
@@ -449,3 +457,77 @@ def test_two_schedstat_readings_read_back_as_cpu_ms_runqueue_ms_and_slices():
     for start, end in ((b"1", b"2 3"), (b"1 2", b""), (b"1 x 3", b"2 3 4")):
         with pytest.raises(ValueError):
             schedstat_delta(start, end)
+
+
+SCHEDSTAT_BYTES = st.binary(max_size=40) | st.lists(
+    st.sampled_from([b"0", b"7", b"12345", b"999999999999999999", b"1000000000000000000", b" ", b"\t", b"\n",
+                     b"\x0b", b"\x1c", b"x", b"-1", b"+1", b"1_0", b"\xa0"]),
+    max_size=8,
+).map(b"".join)  # fmt: skip
+
+
+def _fields_or_refusal(read, reading):
+    try:
+        return read(reading)
+    except ValueError:
+        return "refused"
+
+
+@given(SCHEDSTAT_BYTES)
+def test_a_schedstat_reading_is_read_the_same_by_a_walk_over_its_bytes_as_by_split(reading):
+    """Compiled, the exporter reads a reading's fields by a walk over its bytes; from the sources, by ``split``
+    and ``int``: both take the same readings (up to three fields of at most 18 digits, split on ASCII
+    whitespace) and refuse the same (signs, underscores, other bytes, a field of 19 digits)."""
+    from stagetrace.common import schedstat
+
+    by_split = _fields_or_refusal(schedstat._fields_by_split, reading)
+    assert by_split == _fields_or_refusal(schedstat._fields_by_bytes, reading), reading
+    if by_split != "refused":
+        fields = reading.split()
+        assert by_split == (int(fields[0]), int(fields[1]), int(fields[2]) if len(fields) > 2 else -1)
+
+
+def test_what_a_schedstat_reading_may_hold():
+    from stagetrace.common import schedstat
+
+    for read in (schedstat._fields_by_split, schedstat._fields_by_bytes):
+        assert read(b"  12\t34\n") == (12, 34, -1)
+        assert read(b"1 2 3 anything after the third") == (1, 2, 3)
+        assert read(b"999999999999999999 0 0") == (10**18 - 1, 0, 0)
+        for bad in (b"", b"12", b"1 -2", b"+1 2", b"1_0 2", b"1 2 x", b"1000000000000000000 0", b"1\xa02 3"):
+            with pytest.raises(ValueError):
+                read(bad)
+
+
+@pytest.mark.skipif(
+    "stagetrace.common.schedstat" not in _compiled.compiled_available() or _compiled.pure_python_forced(),
+    reason="the exporter's modules are not compiled on this install, or STAGETRACE_PURE_PYTHON=1",
+)
+def test_the_compiled_schedstat_reads_by_its_walk_and_as_the_sources_do():
+    readings = [b"1000000 250000 4\n", b"3500000 1250000 9\n", b"0 0", b"2000000 0", b"1 x 3", b"1", b"  5 6 7 8 "]
+    script = (
+        "import sys\n"
+        "from stagetrace.common import schedstat\n"
+        "assert not schedstat.__file__.endswith('.py'), schedstat.__file__\n"
+        f"readings = {readings!r}\n"
+        "def result(start, end):\n"
+        "    try:\n"
+        "        return schedstat.schedstat_delta(start, end)\n"
+        "    except ValueError:\n"
+        "        return 'refused'\n"
+        "print(repr([result(a, b) for a in readings for b in readings]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != _compiled.PURE_PYTHON_VARIABLE}
+    env[_compiled.EXPORTER_VARIABLE] = "1"
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+    def result(start, end):
+        try:
+            return schedstat_delta(start, end)
+        except ValueError:
+            return "refused"
+
+    from stagetrace.common.schedstat import schedstat_delta
+
+    assert run.stdout.strip() == repr([result(a, b) for a in readings for b in readings])

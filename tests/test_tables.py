@@ -184,3 +184,15 @@ def test_a_scopes_name_and_version_are_its_own_even_where_a_gone_scopes_id_is_re
     assert wire.scope_fields(scope) == ("fastapi", "")
     assert wire.scope_fields(scope) == ("fastapi", "") and wire._SCOPE_FIELDS[id(scope)][0] is scope
     assert wire.scope_fields(None) == ("", "")
+
+
+def test_the_named_tuples_built_positionally_have_the_fields_in_the_order_their_builders_write():
+    """``exporter.signals.trace_signals`` and ``exporter.signals.process_load`` build these with ``tuple.__new__``, the
+    values in the fields' order (keyword construction runs the named tuple's Python ``__new__``)."""
+    from stagetrace.analysis.signals import ProcessLoad, TraceSignals
+
+    assert TraceSignals._fields == (
+        "gpu_utilization", "gil_pressure_ms", "cpu_pressure_ms", "loop_lag_ms", "loop_held_ms", "blocked_by",
+        "stream", "load",
+    )  # fmt: skip
+    assert ProcessLoad._fields == ("cpus", "cpus_used", "runnable", "requests")

@@ -16,15 +16,84 @@ from stagetrace.common.decimals import round_to
 GIL_WAIT_MARGIN_MS = 1.5
 
 
+try:  # compiled by Cython, ``cython.compiled`` is True; from the sources it is False, or there is no Cython
+    import cython
+
+    _COMPILED = bool(cython.compiled)
+except ImportError:
+    _COMPILED = False
+
+_MAX_DIGITS = 18  # a field of more is no count of nanoseconds (and would not fit a C long long, compiled)
+
+
 def schedstat_delta(start: bytes, end: bytes) -> tuple[float, float, int | None]:
     """On-CPU ms, run-queue ms and times scheduled in (None where the kernel gives only two fields) between
-    two reads of a thread's schedstat; ValueError on anything else."""
-    # (every stage of every trace: indexing, where unpacking into a starred name built a list a reading)
-    s, e = start.split(), end.split()
-    if len(s) < 2 or len(e) < 2:
+    two reads of a thread's schedstat (each exact ``bytes``: the callers check); ValueError on anything else.
+
+    Every stage of every trace comes here (two readings a stage). Compiled, a walk over the bytes in C
+    integers reads them (``_fields_by_bytes``, typed by ``schedstat.pxd``: no list, no bytes object, no
+    ``int()`` parse); from the sources, ``split`` and ``int`` do, which the interpreter runs faster than a walk.
+    Both take the same readings and refuse the same (tests/test_signal_values.py holds them to each other)."""
+    if _COMPILED:
+        s0, s1, s2 = _fields_by_bytes(start)
+        e0, e1, e2 = _fields_by_bytes(end)
+    else:
+        s0, s1, s2 = _fields_by_split(start)
+        e0, e1, e2 = _fields_by_split(end)
+    slices = e2 - s2 if s2 >= 0 and e2 >= 0 else None
+    return (e0 - s0) / 1e6, (e1 - s1) / 1e6, slices
+
+
+def _fields_by_split(reading: bytes) -> tuple[int, int, int]:
+    """A reading's first three fields (the third -1 where there are two): whitespace-separated runs of at most
+    ``_MAX_DIGITS`` ASCII digits; what follows the third is not read. ValueError on anything else."""
+    fields = reading.split()
+    n = len(fields)
+    if n < 2:
         raise ValueError("a schedstat reading has at least two fields")
-    slices = int(e[2]) - int(s[2]) if len(s) > 2 and len(e) > 2 else None
-    return (int(e[0]) - int(s[0])) / 1e6, (int(e[1]) - int(s[1])) / 1e6, slices
+    first, second = fields[0], fields[1]
+    third = fields[2] if n > 2 else b"0"
+    for field in (first, second, third):
+        if not field.isdigit() or len(field) > _MAX_DIGITS:
+            raise ValueError(f"a schedstat field is a count: {field!r}")
+    return int(first), int(second), int(third) if n > 2 else -1
+
+
+def _fields_by_bytes(reading: bytes) -> tuple[int, int, int]:
+    """``_fields_by_split`` by a walk over the bytes: slow in the interpreter, C arithmetic where compiled."""
+    first = second = value = digits = field = 0
+    third = -1
+    for byte in reading:
+        if 48 <= byte <= 57:  # an ASCII digit
+            if digits == _MAX_DIGITS:
+                raise ValueError(f"a schedstat field is a count of at most {_MAX_DIGITS} digits")
+            value = value * 10 + (byte - 48)
+            digits += 1
+        elif byte == 32 or 9 <= byte <= 13:  # ASCII whitespace, as ``bytes.split()`` takes it
+            if digits:
+                if field == 0:
+                    first = value
+                elif field == 1:
+                    second = value
+                else:
+                    third = value
+                    break  # what follows the third is not read
+                field += 1
+                value = digits = 0
+        else:
+            raise ValueError(f"a schedstat field is a count: {reading!r}")
+    else:
+        if digits:  # the last field ran to the end
+            if field == 0:
+                first = value
+            elif field == 1:
+                second = value
+            else:
+                third = value
+            field += 1
+    if field < 2:
+        raise ValueError("a schedstat reading has at least two fields")
+    return first, second, third
 
 
 def not_gil_ms(blocked_ms: float, slices: int, gil_wait_bound_ms: float) -> float:
@@ -58,7 +127,7 @@ def loop_held_ms(
     stretch too, at most the interval, so the interval is taken off: a lower bound. None without schedstat
     slices or a known GIL bound (then the lag alone is what is known).
     """
-    if not isinstance(start, bytes) or not isinstance(end, bytes) or gil_wait_bound_ms is None:
+    if type(start) is not bytes or type(end) is not bytes or gil_wait_bound_ms is None:  # (as resolve_cpu)
         return None
     try:
         cpu_ms, rq_ms, slices = schedstat_delta(start, end)

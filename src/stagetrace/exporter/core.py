@@ -19,7 +19,6 @@ from opentelemetry.trace import StatusCode, format_trace_id
 from stagetrace import conventions as c
 from stagetrace._safety import RateLimitedLog, report_internal_error
 from stagetrace.analysis import Diagnosis, TraceSignals, Verdict, analyse_trace, build_verdict, diagnose
-from stagetrace.analysis.causes import blocked_enough
 from stagetrace.analysis.loopwait import blocker_entry, loop_waits, request_arrival
 from stagetrace.analysis.model import CompressedInfo
 from stagetrace.analysis.offload import offload_calls
@@ -441,43 +440,14 @@ class ExporterCore:
         return wire.replace_span(root, start_ns=arrival.start_ns + offset, attributes=attributes), before
 
     def _resolve_cpu(self, stages: Sequence[wire.ShippedStage], offset: int) -> None:
-        """The stages' CPU figures from their raw readings, and the other threads' time beside each that the
-        blocked-cause rules look at (two window queries a stage: on the others, every trace would pay them)."""
-        run_queue, cpu = self.series[sig.PROCESS_RUN_QUEUE_SERIES], self.series[sig.PROCESS_CPU_SERIES]
-        th = self.settings.thresholds
-        for st in stages:
-            sig.resolve_cpu(st, self._gil_wait_bound_ms)
-            # a worker's stage: this process's other threads were not beside it (its own process was)
-            if st.blocked_ms and st.worker_pid is None and blocked_enough(st, th):
-                sig.resolve_others(st, run_queue, cpu, offset)
+        sig.resolve_stages(stages, self.series, offset, self._gil_wait_bound_ms, self.settings.thresholds)
 
     def _signals(
         self, start_ns: int, end_ns: int, gpu_utilization: float | None, blocked_by: tuple[str, ...] = ()
     ) -> TraceSignals:
-        s = self.settings
-        gil, run_queue = self.series[sig.GIL_SERIES], self.series[sig.RUN_QUEUE_SERIES]
-        loop, held = self.series[sig.LOOP_SERIES], self.series[sig.LOOP_HELD_SERIES]
-        period_s = s.gil_sampler_period_s or 0.01
-        load = sig.process_load(
-            self.series[sig.PROCESS_CPU_SERIES],
-            self.series[sig.PROCESS_RUN_QUEUE_SERIES],
-            self.series[sig.IN_FLIGHT_SERIES],
-            start_ns,
-            end_ns,
-            self.cpus,
-        )
-        return TraceSignals(
-            load=load,
-            gpu_utilization=gpu_utilization if isinstance(gpu_utilization, (int, float)) else None,
-            gil_pressure_ms=(
-                sig.sampler_mean_ms(gil, start_ns, end_ns, period_s, proof_ms=self._gil_wait_bound_ms)
-                if len(gil)
-                else None
-            ),
-            cpu_pressure_ms=sig.sampler_mean_ms(run_queue, start_ns, end_ns, period_s) if len(run_queue) else None,
-            loop_lag_ms=sig.max_loop_lag_ms(loop, start_ns, end_ns) if len(loop) else None,
-            loop_held_ms=sig.max_loop_lag_ms(held, start_ns, end_ns) if len(held) else None,
-            blocked_by=blocked_by,
+        period_s = self.settings.gil_sampler_period_s or 0.01
+        return sig.trace_signals(
+            self.series, start_ns, end_ns, period_s, self._gil_wait_bound_ms, self.cpus, gpu_utilization, blocked_by
         )
 
     # --- stages and spans outside a held trace --------------------------------------------------------

@@ -228,16 +228,14 @@ class ContractMetrics:
         route = verdict.route
         kinds = verdict.stage_kinds
         bottleneck = verdict.bottleneck
-        stage_key = self._stage_key
-        observations: list[Observation] = [
-            (
-                STAGE_DURATION,
-                stage_key(name, kinds.get(name, "cpu"), route),
-                ms,
-                exemplar if name == bottleneck else None,
-            )
-            for name, ms in verdict.breakdown.items()
-        ]
+        known_keys = self._stage_keys  # (the cache's own lookup here: a call a stage saved, nearly always a hit)
+        observations: list[Observation] = []
+        for name, ms in verdict.breakdown.items():
+            kind = kinds.get(name, "cpu")
+            key = known_keys.get((name, kind, route))
+            if key is None:
+                key = self._stage_key(name, kind, route)
+            observations.append((STAGE_DURATION, key, ms, exemplar if name == bottleneck else None))
         slow: Key = ((c.SLOW, True), (c.SLOW_REASON, verdict.slow_reason or c.SLOW_TOTAL)) if verdict.slow else _HEALTHY
         trace_key: Key = (*slow, (c.HTTP_ROUTE, route)) if route else slow
         observations.append((TRACE_DURATION, trace_key, verdict.total_ms, exemplar))

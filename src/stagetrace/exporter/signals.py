@@ -6,12 +6,14 @@ Pure bookkeeping: no threads, no clocks of its own; the exporter feeds it and as
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Sequence
+from bisect import bisect_left, bisect_right
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from stagetrace.analysis.causes import blocked_enough
 from stagetrace.analysis.loopwait import LoopBlock
-from stagetrace.analysis.signals import ProcessLoad
+from stagetrace.analysis.signals import ProcessLoad, TraceSignals
+from stagetrace.analysis.thresholds import DiagnosisThresholds
 from stagetrace.common.decimals import round_to
 from stagetrace.common.schedstat import not_gil_ms, schedstat_delta
 from stagetrace.settings import GIL_MIN_SAMPLES, MIN_CPU_ACCOUNTED_NS
@@ -74,6 +76,24 @@ def resolve_cpu(stage: Any, gil_wait_bound_ms: float | None = None) -> None:
         stage.not_gil_ms = round_to(not_gil_ms(blocked, slices, gil_wait_bound_ms), 3)
 
 
+def resolve_stages(
+    stages: Sequence[Any],
+    series: Mapping[str, LagSeries],
+    offset_ns: int,
+    gil_wait_bound_ms: float | None,
+    th: DiagnosisThresholds,
+) -> None:
+    """The stages' CPU figures from their raw readings (``resolve_cpu``), and the other threads' time beside
+    each that the blocked-cause rules look at (``resolve_others``: two window queries a stage, so only for
+    the stages those rules judge; on the others, every trace would pay them)."""
+    run_queue, cpu = series[PROCESS_RUN_QUEUE_SERIES], series[PROCESS_CPU_SERIES]
+    for stage in stages:
+        resolve_cpu(stage, gil_wait_bound_ms)
+        # a worker's stage: this process's other threads were not beside it (its own process was)
+        if stage.blocked_ms and stage.worker_pid is None and blocked_enough(stage, th):
+            resolve_others(stage, run_queue, cpu, offset_ns)
+
+
 def resolve_others(stage: Any, run_queue: LagSeries, cpu: LagSeries, offset_ns: int) -> None:
     """Set a blocked stage's ``others_runqueue_ms`` and ``others_cpu_ms``: the process's other threads'
     run-queue wait and on-CPU time from the GIL monitor's last reading before the stage to its first one
@@ -91,12 +111,14 @@ def resolve_others(stage: Any, run_queue: LagSeries, cpu: LagSeries, offset_ns: 
 def cumulative_change(series: LagSeries, start_ns: int, end_ns: int) -> float | None:
     """How much a cumulative series grew from its last sample at or before ``start_ns`` to its first at or
     after ``end_ns``; None without both."""
-    times, values = series.times, series.values
-    before = bisect.bisect_right(times, start_ns) - 1
-    after = bisect.bisect_left(times, end_ns)
+    times = series._times
+    before = bisect_right(times, start_ns) - 1
+    after = bisect_left(times, end_ns)
     if before < 0 or after >= len(times):
         return None
-    return max(0.0, values[after] - values[before])
+    values = series._values
+    grew = values[after] - values[before]
+    return grew if grew > 0.0 else 0.0
 
 
 def _nearest(times: list[int], at_ns: int, tolerance_ns: int, *, start: bool) -> int | None:
@@ -105,10 +127,10 @@ def _nearest(times: list[int], at_ns: int, tolerance_ns: int, *, start: bool) ->
     it and nearer: a process idle before a burst (no trace in flight, no readings) or after it would
     otherwise spread the window's CPU use over the idle time."""
     if start:
-        outer = bisect.bisect_right(times, at_ns) - 1
+        outer = bisect_right(times, at_ns) - 1
         inner = outer + 1
     else:
-        outer = bisect.bisect_left(times, at_ns)
+        outer = bisect_left(times, at_ns)
         inner = outer - 1
     n = len(times)
     found = outer if 0 <= outer < n else None
@@ -147,16 +169,62 @@ def process_load(
     if queued_ms is None:
         return None
     counts = in_flight.window(times[first], times[last])
-    return ProcessLoad(
-        cpus=cpus,
-        cpus_used=round_to(used_ms / span_ms, 3),
-        runnable=round_to((used_ms + queued_ms) / span_ms, 3),
-        requests=round_to(sum(counts) / len(counts), 2) if counts else None,
+    # (positional, in the fields' order: keyword construction runs the named tuple's Python __new__)
+    return _new_load(
+        ProcessLoad,
+        (
+            cpus,
+            round_to(used_ms / span_ms, 3),
+            round_to((used_ms + queued_ms) / span_ms, 3),
+            round_to(sum(counts) / len(counts), 2) if counts else None,
+        ),
     )
+
+
+_new_load = tuple.__new__
 
 
 _EXACT_INT = frozenset({int})  # exact types: a bool or an int subclass goes the checked way
 _EXACT_NUMBER = frozenset({int, float})
+
+
+def trace_signals(
+    series: Mapping[str, LagSeries],
+    start_ns: int,
+    end_ns: int,
+    period_s: float,
+    gil_wait_bound_ms: float | None,
+    cpus: int | None,
+    gpu_utilization: Any,
+    blocked_by: tuple[str, ...],
+) -> TraceSignals:
+    """The process's signals over a trace's window (epoch ns), from the series its samplers shipped: what the
+    diagnosis rules read beside the stages (the stream's summary is the caller's, where the response streamed).
+    ``period_s``: the GIL monitor's; ``gil_wait_bound_ms``: the longest a GIL wait lasts, where known."""
+    gil, run_queue = series[GIL_SERIES], series[RUN_QUEUE_SERIES]
+    loop, held = series[LOOP_SERIES], series[LOOP_HELD_SERIES]
+    load = process_load(
+        series[PROCESS_CPU_SERIES], series[PROCESS_RUN_QUEUE_SERIES], series[IN_FLIGHT_SERIES], start_ns, end_ns, cpus
+    )
+    # (positional, in the fields' order: keyword construction runs the named tuple's Python __new__)
+    return _new_signals(
+        TraceSignals,
+        (
+            gpu_utilization if isinstance(gpu_utilization, (int, float)) else None,
+            sampler_mean_ms(gil, start_ns, end_ns, period_s, GIL_MIN_SAMPLES, gil_wait_bound_ms)
+            if gil._times
+            else None,
+            sampler_mean_ms(run_queue, start_ns, end_ns, period_s) if run_queue._times else None,
+            max_loop_lag_ms(loop, start_ns, end_ns) if loop._times else None,
+            max_loop_lag_ms(held, start_ns, end_ns) if held._times else None,
+            blocked_by,
+            None,  # stream
+            load,
+        ),
+    )
+
+
+_new_signals = tuple.__new__
 
 
 class LagSeries:
@@ -222,9 +290,8 @@ class LagSeries:
         return self._values
 
     def window(self, start_ns: int, end_ns: int) -> list[float]:
-        lo = bisect.bisect_left(self._times, start_ns)
-        hi = bisect.bisect_right(self._times, end_ns)
-        return self._values[lo:hi]
+        times = self._times
+        return self._values[bisect_left(times, start_ns) : bisect_right(times, end_ns)]
 
 
 def sampler_mean_ms(
@@ -245,21 +312,31 @@ def sampler_mean_ms(
     guess between GIL contention and a lock wait. Only the request's own window counts: a look-back before
     it read a neighbour's load (a server's start-up, another request's burst) as this request's contention.
     """
-    times, values = series.times, series.values
-    lo = bisect.bisect_left(times, start_ns)
-    hi = bisect.bisect_right(times, end_ns + int(period_s * 1e9))
+    times, values = series._times, series._values
+    n = len(times)
+    lo = bisect_left(times, start_ns)
+    hi = bisect_right(times, end_ns + int(period_s * 1e9))
     # Later wake-ups whose wait began inside the window are the request's too: a sampler held back for long
     # (the GIL or the CPUs taken for the whole request) reports only once it gets through.
-    while hi < len(times) and times[hi] - values[hi] * 1e6 <= end_ns:
+    while hi < n and times[hi] - values[hi] * 1e6 <= end_ns:
         hi += 1
-    lags = values[lo:hi]
+    if hi <= lo:
+        return None
+    # the wake-ups' sum and longest, as ``sum`` and ``max`` give them (a loop: C doubles where compiled)
+    total = 0.0
+    longest = values[lo]
+    for i in range(lo, hi):
+        lag = values[i]
+        total += lag
+        if lag > longest:
+            longest = lag
     # Few wake-ups that waited long are a measurement too: a free GIL cannot hold a sampler back for periods.
     measured = (
-        len(lags) >= min_samples
-        or (lags and sum(lags) >= min_samples * period_s * 1e3)
-        or (proof_ms is not None and lags and max(lags) >= proof_ms)
+        hi - lo >= min_samples
+        or total >= min_samples * period_s * 1e3
+        or (proof_ms is not None and longest >= proof_ms)
     )
-    return round_to(sum(lags) / len(lags), 3) if measured else None
+    return round_to(total / (hi - lo), 3) if measured else None
 
 
 def max_loop_lag_ms(series: LagSeries, start_ns: int, end_ns: int) -> float | None:
@@ -271,14 +348,18 @@ def max_loop_lag_ms(series: LagSeries, start_ns: int, end_ns: int) -> float | No
     read too: the monitor reports a stall only once the loop is free again. None when no sample reaches the
     window (a short request between two wake-ups of the monitor: not measured, rather than a neighbour's).
     """
-    times, values = series.times, series.values
-    lo = bisect.bisect_left(times, start_ns)
-    hi = min(len(times), bisect.bisect_right(times, end_ns) + 1)
+    times, values = series._times, series._values
+    lo = bisect_left(times, start_ns)
+    hi = min(len(times), bisect_right(times, end_ns) + 1)
     if lo >= hi:
         return None
     worst = 0
-    for t, lag_ms in zip(times[lo:hi], values[lo:hi]):
-        worst = max(worst, min(t, end_ns) - max(t - int(lag_ms * 1e6), start_ns))
+    for i in range(lo, hi):
+        t = times[i]
+        began = t - int(values[i] * 1e6)
+        held = (t if t < end_ns else end_ns) - (began if began > start_ns else start_ns)
+        if held > worst:
+            worst = held
     return round_to(worst / 1e6, 3)
 
 
@@ -305,7 +386,7 @@ class LoopBlockSeries:
                 continue
             ends = self._ends.setdefault(thread, [])
             blocks = self._blocks.setdefault(thread, [])
-            at = bisect.bisect_right(ends, end)
+            at = bisect_right(ends, end)
             ends.insert(at, end)
             blocks.insert(at, LoopBlock(start, end, thread, trace_id, name))
             if len(ends) > self._max:
@@ -318,7 +399,7 @@ class LoopBlockSeries:
             return []
         blocks = self._blocks[thread]
         out = []
-        for block in blocks[bisect.bisect_right(ends, start_ns) :]:
+        for block in blocks[bisect_right(ends, start_ns) :]:
             if block.start_ns >= end_ns:
                 break
             out.append(block)
