@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -208,16 +208,23 @@ def build_verdict(
     )
 
 
-# Each field's slot setter, in the fields' order. A frozen dataclass's generated __init__ sets each field with
-# object.__setattr__ in interpreted code: 52 k instructions a verdict, the largest single part of what the
-# exporter spends on every trace. ``_new_verdict`` sets the slots directly, the frozen class unchanged.
-_SLOT_SETTERS = {f.name: getattr(Verdict, f.name).__set__ for f in dataclasses.fields(Verdict)}
+def _verdict_builder() -> Callable[..., Verdict]:
+    """``_new_verdict(**every_field)``: a Verdict with its slots set directly, the frozen class unchanged.
+
+    A frozen dataclass's generated ``__init__`` sets each field with ``object.__setattr__`` in interpreted
+    code: 52 k instructions a verdict, once the largest single part of what the exporter spends on every
+    trace. This calls each slot's setter instead, from a function compiled once from the fields' table (as
+    ``dataclasses`` writes ``__init__``), keyword-only parameters in the fields' order: a loop over a ``**``
+    dict of them built two dicts a verdict and looked each setter up by name. Every field is required: one
+    left out or misnamed is a TypeError at the call."""
+    names = [f.name for f in dataclasses.fields(Verdict)]
+    namespace: dict[str, Any] = {f"set_{name}": getattr(Verdict, name).__set__ for name in names}
+    namespace.update(NEW=object.__new__, VERDICT=Verdict, __name__=__name__)
+    body = "".join(f"    set_{name}(verdict, {name})\n" for name in names)
+    source = f"def _new_verdict(*, {', '.join(names)}):\n    verdict = NEW(VERDICT)\n{body}    return verdict\n"
+    exec(compile(source, f"<{__name__}._new_verdict, generated>", "exec"), namespace)
+    built: Callable[..., Verdict] = namespace["_new_verdict"]
+    return built
 
 
-def _new_verdict(**values: Any) -> Verdict:
-    """A Verdict of ``values``, which must name every field: a name no field has is a KeyError here, a field
-    left out an AttributeError where it is read (tests/analysis/test_rule_edges.py reads every one)."""
-    verdict: Verdict = object.__new__(Verdict)
-    for name, value in values.items():
-        _SLOT_SETTERS[name](verdict, value)
-    return verdict
+_new_verdict = _verdict_builder()

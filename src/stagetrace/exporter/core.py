@@ -64,6 +64,8 @@ def _delayed_requests(stages: Sequence[Any]) -> int | None:
 def generative(declared: dict[str, Any] | None, root_attributes: dict[str, Any]) -> dict[str, Any] | None:
     """What a request said of the generative model it served: through ``stagetrace.generation()`` or
     ``gen_ai.*`` attributes on its local root (which win); None unless it names an operation or a model."""
+    if not declared and c.GEN_AI_OPERATION not in root_attributes and c.GEN_AI_REQUEST_MODEL not in root_attributes:
+        return None  # (nearly every trace of a service that serves no generative model: no scan of its root)
     found = {k: v for k, v in root_attributes.items() if k.startswith("gen_ai.")}
     if declared:
         found = {**declared, **found}
