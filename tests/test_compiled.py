@@ -85,6 +85,14 @@ def test_an_exporter_allowed_compiled_modules_loads_the_source_of_one_built_befo
     os.utime(source, (3_000, 3_000))  # the source edited since
     spec = finder.find_spec("pkg.fast", [str(package)])
     assert spec is not None and spec.origin == str(source)
+    os.utime(source, (1_000, 1_000))
+    declared = package / "fast.pxd"  # the C types Cython compiled it with, edited since: stale too
+    declared.write_text("")
+    os.utime(declared, (1_500, 1_500))
+    assert finder.find_spec("pkg.fast", [str(package)]) is None
+    os.utime(declared, (3_000, 3_000))
+    spec = finder.find_spec("pkg.fast", [str(package)])
+    assert spec is not None and spec.origin == str(source)
 
 
 def mapped_modules(pid: int) -> set[str]:

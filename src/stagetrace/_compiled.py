@@ -69,10 +69,18 @@ def _extension_beside(source: str) -> str | None:
     return None
 
 
+def _built_since(built: str, source: str) -> bool:
+    """The extension ``built`` is no older than ``source`` and the ``.pxd`` beside it (which types it where
+    Cython compiles it: a change there alone makes it stale too)."""
+    declared = source[: -len(".py")] + ".pxd"
+    newest = max(os.path.getmtime(source), os.path.getmtime(declared) if os.path.isfile(declared) else 0.0)
+    return os.path.getmtime(built) >= newest
+
+
 class SourceFirst(importlib.abc.MetaPathFinder):
     """Finds the ``.py`` of each listed module, so that the extension module beside it is not loaded: always, or
     with ``stale_only`` (an exporter allowed to run compiled) where the source changed after the extension
-    was built, which then no longer is what the source says (a checkout being edited)."""
+    was built (or its ``.pxd``), which then no longer is what the source says (a checkout being edited)."""
 
     def __init__(self, names: Sequence[str] = COMPILED_MODULES, *, stale_only: bool = False) -> None:
         self.names = frozenset(names)
@@ -89,7 +97,7 @@ class SourceFirst(importlib.abc.MetaPathFinder):
             if os.path.isfile(source):
                 if self.stale_only:
                     built = _extension_beside(source)
-                    if built is not None and os.path.getmtime(built) >= os.path.getmtime(source):
+                    if built is not None and _built_since(built, source):
                         return None  # built from this very source: the usual import loads it
                 return importlib.util.spec_from_file_location(fullname, source)
         return None  # no source: let the rest of the import system say what it finds
@@ -128,9 +136,7 @@ def compiled_available(*, current: bool = True) -> tuple[str, ...]:
         for directory in (spec.submodule_search_locations or ()) if spec is not None else ():
             source = os.path.join(directory, name.rpartition(".")[2] + ".py")
             built = _extension_beside(source)
-            if built is not None and (
-                not current or not os.path.isfile(source) or os.path.getmtime(built) >= os.path.getmtime(source)
-            ):
+            if built is not None and (not current or not os.path.isfile(source) or _built_since(built, source)):
                 out.append(name)
                 break
     return tuple(out)

@@ -186,21 +186,21 @@ class ShippedStage:
     def __init__(self, fields: Sequence[Any]) -> None:
         if len(fields) != len(STAGE_FIELDS):
             raise ValueError(f"a stage record has {len(STAGE_FIELDS)} fields, got {len(fields)}")
-        _assign_stage_fields(self, fields)
-        if not isinstance(self.name, str) or type(self.start_ns) is not int or type(self.end_ns) is not int:
+        _assign_stage_fields(self, fields)  # and the derived fields None
+        # (checked on the record's own values: an item of it is cheaper to read than the attribute just set)
+        if not isinstance(fields[_NAME], str) or type(fields[_START]) is not int or type(fields[_END]) is not int:
             raise ValueError("a stage record needs a str name and int times")
-        if self.batch is not None:
-            self.batch = batch_info(self.batch)
-        if self.compressed is not None:
-            self.compressed = compressed_info(self.compressed)
-        if self.offload is not None:
-            self.offload = offload_fields(self.offload)
-        if self.worker_pid is not None and type(self.worker_pid) is not int:
+        if fields[_BATCH] is not None:
+            self.batch = batch_info(fields[_BATCH])
+        if fields[_COMPRESSED] is not None:
+            self.compressed = compressed_info(fields[_COMPRESSED])
+        if fields[_OFFLOAD] is not None:
+            self.offload = offload_fields(fields[_OFFLOAD])
+        worker_pid, error = fields[_WORKER_PID], fields[_ERROR]
+        if worker_pid is not None and type(worker_pid) is not int:
             raise ValueError("a stage record's worker pid must be an int")
-        if self.error is not None and not _is_error(self.error):
+        if error is not None and not _is_error(error):
             raise ValueError("a stage record's error must be (type, message, traceback) strings")
-        self.cpu_ms = self.runqueue_ms = self.blocked_ms = self.not_gil_ms = None
-        self.others_runqueue_ms = self.others_cpu_ms = None
 
     @classmethod
     def added(cls, name: str, kind: str, span_id: int, parent_span_id: int, start_ns: int, end_ns: int) -> ShippedStage:
@@ -238,16 +238,23 @@ def as_example(packed_stage: tuple[Any, ...], span_id: int) -> tuple[Any, ...]:
 
 
 def _stage_fields_assigner() -> Any:
-    """``(self.name, self.kind, ...) = fields`` in the order of ``STAGE_FIELDS``, compiled once from the table
-    (as ``dataclasses`` writes ``__init__``): one tuple unpacking where a loop of ``setattr`` was ~3x slower,
-    the exporter's most frequent construction (every stage of every trace)."""
+    """``(self.name, self.kind, ...) = fields`` in the order of ``STAGE_FIELDS``, the derived fields None,
+    compiled once from the table (as ``dataclasses`` writes ``__init__``): one tuple unpacking where a loop of
+    ``setattr`` was ~3x slower, the exporter's most frequent construction (every stage of every trace). It
+    runs in the interpreter even where the module is compiled: there a store to a slot is specialised to a
+    few instructions, where compiled code takes the generic attribute path."""
     targets = ", ".join(f"self.{name}" for name in STAGE_FIELDS)
-    return _function_from_source(f"def assign(self, fields):\n    {targets}, = fields\n", "assign", {})
+    derived = " = ".join(f"self.{name}" for name in DERIVED_STAGE_FIELDS)
+    source = f"def assign(self, fields):\n    {targets}, = fields\n    {derived} = None\n"
+    return _function_from_source(source, "assign", {})
 
 
 _assign_stage_fields = _stage_fields_assigner()
 _NAME, _KIND, _SPAN_ID, _PARENT_SPAN_ID, _START, _END = (
     STAGE_FIELDS.index(f) for f in ("name", "kind", "span_id", "parent_span_id", "start_ns", "end_ns")
+)
+_BATCH, _COMPRESSED, _OFFLOAD, _WORKER_PID, _ERROR = (
+    STAGE_FIELDS.index(f) for f in ("batch", "compressed", "offload", "worker_pid", "error")
 )
 # A stage with nothing measured: no parent stage, not on the event loop, every optional field unset.
 _ADDED_STAGE = tuple(
