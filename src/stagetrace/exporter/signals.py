@@ -372,9 +372,10 @@ class LoopBlockSeries:
         self._max = max_blocks
         self._ends: dict[int, list[int]] = {}
         self._blocks: dict[int, list[LoopBlock]] = {}
+        self._count = 0
 
     def __len__(self) -> int:
-        return sum(map(len, self._ends.values()))
+        return self._count  # (asked for every trace: kept, not summed over the threads)
 
     def extend(self, shipped: Sequence[Any]) -> None:
         """``((start, end, thread, trace_id, name), ...)`` as shipped; malformed entries are skipped."""
@@ -389,9 +390,11 @@ class LoopBlockSeries:
             at = bisect_right(ends, end)
             ends.insert(at, end)
             blocks.insert(at, LoopBlock(start, end, thread, trace_id, name))
+            self._count += 1
             if len(ends) > self._max:
                 half = len(ends) - self._max // 2
                 del ends[:half], blocks[:half]
+                self._count -= half
 
     def overlapping(self, thread: int, start_ns: int, end_ns: int) -> list[LoopBlock]:
         ends = self._ends.get(thread)
