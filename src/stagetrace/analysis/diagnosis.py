@@ -80,6 +80,10 @@ class Signal(enum.Enum):
     BATCH = "a stage a batcher ran or formed (its batch fields)"
     OFFLOAD = "a call handed to a process pool"
 
+    # A member is its own identity (Enum's equality): hashed by it in C, where Enum's ``__hash__`` is a Python
+    # call (about a thousand instructions a ``set.add``, several on every trace in ``_available``).
+    __hash__ = object.__hash__
+
 
 @dataclass(frozen=True, slots=True)
 class DiagnosisRule:

@@ -126,10 +126,16 @@ def judge(
             bottleneck, ratio = phases.bottleneck, phases.ratio
         first, gap = stream_thresholds.first_chunk_ms, stream_thresholds.gap_ms
         how_slow = slowness(analysis.total_ms, analysis.slow_threshold_ms, stream, first, gap)
-        return Judgement(phases.reason is not None, phases.reason, how_slow, bottleneck, ratio, first, gap)
+        return _new_judgement(
+            Judgement, (phases.reason is not None, phases.reason, how_slow, bottleneck, ratio, first, gap)
+        )
     how_slow = slowness(analysis.total_ms, analysis.slow_threshold_ms, None, None, None)
     reason = SLOW_TOTAL if analysis.slow else None
-    return Judgement(analysis.slow, reason, how_slow, bottleneck, ratio, None, None)
+    # (through tuple.__new__: the named tuple's own __new__ is Python code, run for every trace)
+    return _new_judgement(Judgement, (analysis.slow, reason, how_slow, bottleneck, ratio, None, None))
+
+
+_new_judgement = tuple.__new__
 
 
 class DiagnosisChoice(NamedTuple):
