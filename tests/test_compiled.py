@@ -208,3 +208,20 @@ def test_the_compiled_exporter_and_the_sources_give_the_same_verdicts_field_by_f
             assert a[field] == b[field], (field, a.get("trace_id"))
     assert compiled["metrics"] == pure["metrics"] and compiled["skipped"] == pure["skipped"]
     assert comparable_spans(compiled["spans"]) == comparable_spans(pure["spans"])
+
+
+@needs_build
+@pytest.mark.slow
+def test_the_typed_modules_pass_their_own_tests_compiled():
+    """Where a ``.pxd`` types a module's locals as C values (schedstat, the signal windows, the metric store),
+    the compiled module is held to the tests its sources pass: they run here in a process that imports it."""
+    env = {k: v for k, v in os.environ.items() if k != _compiled.PURE_PYTHON_VARIABLE}
+    env[_compiled.EXPORTER_VARIABLE] = "1"
+    files = ["tests/test_signal_values.py", "tests/test_signals.py", "tests/test_export_values.py"]
+    check = "from stagetrace.exporter import signals; assert not signals.__file__.endswith('.py')"
+    subprocess.run([sys.executable, "-c", check], env=env, check=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *files],
+        cwd=HERE.parent, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

@@ -7,10 +7,16 @@ from stagetrace.common.decimals cimport round_to
 from stagetrace.common.schedstat cimport schedstat_delta
 
 
+cdef bint _COMPILED
+
+
 cdef class LagSeries:
     cdef public Py_ssize_t _max
     cdef public list _times
     cdef public list _values
+
+    @cython.locals(times=list, values=list, i=cython.Py_ssize_t, value=cython.double)
+    cpdef _extend_checked(self, object flat)
 
 
 @cython.locals(wall_ms=cython.double, cpu_ms=cython.double, rq_ms=cython.double, blocked=cython.double)

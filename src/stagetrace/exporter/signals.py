@@ -184,6 +184,13 @@ def process_load(
 _new_load = tuple.__new__
 
 
+try:  # compiled by Cython, ``cython.compiled`` is True; from the sources it is False, or there is no Cython
+    import cython
+
+    _COMPILED = bool(cython.compiled)
+except ImportError:
+    _COMPILED = False
+
 _EXACT_INT = frozenset({int})  # exact types: a bool or an int subclass goes the checked way
 _EXACT_NUMBER = frozenset({int, float})
 
@@ -242,6 +249,10 @@ class LagSeries:
     def extend_flat(self, flat: Sequence[Any]) -> None:
         """``(t0, v0, t1, v1, ...)`` as shipped; out-of-order or malformed pairs are skipped."""
         times, values = self._times, self._values
+        if _COMPILED:  # a pair at a time is a C loop here (signals.pxd), cheaper than the checks below
+            self._extend_checked(flat)
+            self._trim()
+            return
         new_times, new_values = flat[0::2], flat[1::2]
         floats = None
         if (
@@ -262,9 +273,13 @@ class LagSeries:
         else:
             times.extend(new_times)
             values.extend(floats)
+        self._trim()
+
+    def _trim(self) -> None:
+        times = self._times
         if len(times) > self._max:
             half = len(times) - self._max // 2
-            del times[:half], values[:half]
+            del times[:half], self._values[:half]
 
     def _extend_checked(self, flat: Sequence[Any]) -> None:
         times, values = self._times, self._values
