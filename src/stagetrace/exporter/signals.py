@@ -18,6 +18,13 @@ from stagetrace.common.decimals import round_to
 from stagetrace.common.schedstat import not_gil_ms, schedstat_delta
 from stagetrace.settings import GIL_MIN_SAMPLES, MIN_CPU_ACCOUNTED_NS
 
+try:  # compiled by Cython, ``cython.compiled`` is True; from the sources it is False, or there is no Cython
+    import cython
+
+    _COMPILED = bool(cython.compiled)
+except ImportError:
+    _COMPILED = False
+
 GIL_SERIES = "gil"
 RUN_QUEUE_SERIES = "runqueue"  # the GIL monitor's run-queue wait per wake-up
 LOOP_SERIES = "loop"
@@ -183,13 +190,6 @@ def process_load(
 
 _new_load = tuple.__new__
 
-
-try:  # compiled by Cython, ``cython.compiled`` is True; from the sources it is False, or there is no Cython
-    import cython
-
-    _COMPILED = bool(cython.compiled)
-except ImportError:
-    _COMPILED = False
 
 _EXACT_INT = frozenset({int})  # exact types: a bool or an int subclass goes the checked way
 _EXACT_NUMBER = frozenset({int, float})
