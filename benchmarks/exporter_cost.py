@@ -4,6 +4,7 @@ and OTLP bytes of an exported one.
     python benchmarks/exporter_cost.py [--requests 300] [--rounds 5]
     python benchmarks/exporter_cost.py --instructions        # valgrind: instructions a trace
     python benchmarks/exporter_cost.py --instructions --mypyc  # and the same modules compiled by mypyc
+    python benchmarks/exporter_cost.py --instructions --against OTHER/src  # and another tree, same recordings
 
 The messages come from the endpoint of ``benchmarks/e2e.py`` (a FastAPI route of six stages), served in
 process by Starlette's TestClient with the exporter's work on a thread (``STAGETRACE_EXPORT_PROCESS=off``)
@@ -24,6 +25,11 @@ CPU time a trace is the median of ``--rounds`` rounds (this VM moves it by +-20 
 many passes over the recorded traces, the difference divided by the traces, so start-up cancels), which
 moves by a few per cent at most. Needs ``apt-get install valgrind``.
 
+``--against SRC`` replays the same recordings into another source tree (its ``src`` directory, its modules
+built in place as an install builds them: ``pip install -e`` there, or ``hatch_build.py``'s build), sources
+and compiled, and adds a table of this tree's figures over that one's: a change to the exporter measured on
+the very messages it is measured on before.
+
 Each row compares the sources with the installed build (Cython); ``--mypyc`` adds the same modules compiled
 by mypyc in a copy, the other compiler the issue asked to weigh. mypyc enforces the annotations and lays out
 classes natively at run time, so code that Cython compiles as it is must suit it first: on 2026-12-06 the
@@ -35,6 +41,7 @@ A replay whose traces raise inside the core fails the benchmark rather than prin
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import logging
 import marshal
 import os
@@ -191,10 +198,12 @@ BUILDS = {
 MYPYC_SRC_VARIABLE = "_EXPORTER_COST_MYPYC_SRC"
 
 
-def replay_env(build: str) -> dict[str, str]:
+def replay_env(build: str, against: str | None = None) -> dict[str, str]:
+    """The replay's environment for ``build``; ``against``: another tree's src directory, first on the path."""
     env = {k: v for k, v in os.environ.items() if k not in ("STAGETRACE_PURE_PYTHON", "_STAGETRACE_EXPORTER_PROCESS")}
-    if build == "mypyc":
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (os.environ[MYPYC_SRC_VARIABLE], env.get("PYTHONPATH"))))
+    first = os.environ[MYPYC_SRC_VARIABLE] if build == "mypyc" else against
+    if first:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (first, env.get("PYTHONPATH"))))
     return {**env, **BUILDS[build], "PYTHONHASHSEED": "0"}
 
 
@@ -232,26 +241,76 @@ def build_with_mypyc(scratch: str) -> tuple[str, list[str]]:
     raise SystemExit("mypyc compiled none of the exporter's modules")
 
 
-def count_instructions(path: str, mode: str, passes: int, build: str = "sources") -> int:
+def count_instructions(path: str, mode: str, passes: int, build: str = "sources", against: str | None = None) -> int:
     with tempfile.TemporaryDirectory() as directory:
         out = os.path.join(directory, "cg.out")
         command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", f"--log-file={directory}/vg"]
         command += [sys.executable, os.path.abspath(__file__), "--replay", path, mode, str(passes)]
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=replay_env(build))
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=replay_env(build, against))
         with open(out) as f:
             return next(int(line.split()[1]) for line in f if line.startswith("summary:"))
 
 
-def cpu_seconds(path: str, mode: str, passes: int, rounds: int, build: str) -> float:
+def cpu_seconds(path: str, mode: str, passes: int, rounds: int, build: str, against: str | None = None) -> float:
     """The median CPU seconds a trace of ``rounds`` replays, in a process importing ``build``."""
     out = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--replay", path, mode, str(passes), str(rounds)],
         check=True,
         capture_output=True,
         text=True,
-        env=replay_env(build),
+        env=replay_env(build, against),
     )
     return statistics.median(float(v) for v in out.stdout.split())
+
+
+def tree_is_compiled(src: str) -> bool:
+    """Whether the tree at ``src`` has every exporter module built beside its source (asked in a process that
+    imports it)."""
+    script = (
+        "from stagetrace._compiled import COMPILED_MODULES, compiled_available;"
+        "print(len(compiled_available()) == len(COMPILED_MODULES))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=replay_env("sources", src), capture_output=True, text=True, check=True
+    )
+    return out.stdout.strip() == "True"
+
+
+def measure(path: str, traces: int, runs: list[tuple[str | None, str]], args: argparse.Namespace) -> dict:
+    """Each (tree, build)'s figure a trace in each mode: instructions (valgrind runs at once, one a CPU: a count
+    does not move with the others beside it), or CPU time (one at a time)."""
+    jobs = [(tree, mode, build) for tree, build in runs for mode in MODES]
+    if not args.instructions:
+        return {job: cpu_seconds(path, job[1], args.passes, args.rounds, job[2], job[0]) * 1e6 for job in jobs}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        counts = {
+            (job, passes): pool.submit(count_instructions, path, job[1], passes, job[2], job[0])
+            for job in jobs
+            for passes in (args.reps, 2 * args.reps)
+        }
+        return {
+            job: (counts[job, 2 * args.reps].result() - counts[job, args.reps].result()) / (args.reps * traces)
+            for job in jobs
+        }
+
+
+def table_header(builds: tuple[str, ...], names: dict[str, str], kept: str) -> str:
+    headers = []
+    for mode in MODES:
+        headers += [f"{mode} ({names[build]})" for build in builds]
+        headers += [f"{names[build]} / sources" for build in builds[1:]]
+    return f"| variant | {' | '.join(headers)} | exported over verdict ({names[kept]}) |\n|---|" + "---:|" * (
+        len(headers) + 1
+    )
+
+
+def table_row(label: str, figures: dict, builds: tuple[str, ...], kept: str, fmt: Any) -> str:
+    cells = []
+    for mode in MODES:
+        cells += [fmt(figures[mode, build]) for build in builds]
+        cells += [f"{figures[mode, build] / figures[mode, 'sources']:.2f}" for build in builds[1:]]
+    extra = figures["exported", kept] - figures["verdict", kept]
+    return f"| {label} | {' | '.join(cells)} | {fmt(extra)} |"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instructions", action="store_true", help="count instructions under valgrind instead")
     ap.add_argument("--reps", type=int, default=2, help="with --instructions: passes of the smaller run")
     ap.add_argument("--mypyc", action="store_true", help="also the modules compiled by mypyc (in a copy)")
+    ap.add_argument("--against", default=None, help="another tree's src/ (its modules built), same recordings")
     ap.add_argument("--record", nargs=4, metavar=("VARIANT", "REQUESTS", "PATH", "CONTENDED"), help=argparse.SUPPRESS)
     ap.add_argument("--replay", nargs="+", metavar="PATH MODE PASSES [ROUNDS]", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -288,16 +348,18 @@ def main(argv: list[str] | None = None) -> int:
         builds += ("mypyc",)
         print(f"mypyc compiled {len(COMPILED_MODULES) - len(refused)} of {len(COMPILED_MODULES)} modules", end="")
         print(f"; left as sources: {', '.join(refused)}" if refused else "")
+    against = os.path.abspath(args.against) if args.against else None
+    other_builds: tuple[str, ...] = ()
+    if against is not None:
+        other_builds = ("sources", "compiled") if tree_is_compiled(against) else ("sources",)
+    other_kept = "compiled" if "compiled" in other_builds else "sources"
     unit = "instructions" if args.instructions else "us of CPU"
     print(f"the exporter's work a trace, {unit} (python {sys.version.split()[0]}), {' and '.join(builds)}")
     names = {"sources": "sources", "compiled": "Cython", "mypyc": "mypyc"}
-    headers = []
-    for mode in MODES:
-        headers += [f"{mode} ({names[build]})" for build in builds]
-        headers += [f"{names[build]} / sources" for build in builds[1:]]
     kept = "compiled" if "compiled" in builds else "sources"  # the build installs run
-    print(f"| variant | {' | '.join(headers)} | exported over verdict ({names[kept]}) |")
-    print("|---|" + "---:|" * (len(headers) + 1))
+    print(table_header(builds, names, kept))
+    fmt = (lambda v: f"{v / 1e3:.0f} k") if args.instructions else (lambda v: f"{v:.1f}")
+    other_rows, ratio_rows = [], []
     with tempfile.TemporaryDirectory() as directory:
         for (variant, contended), label in RECORDINGS.items():
             how = "contended" if contended else "calm"
@@ -314,22 +376,28 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"recording {variant} ({how}) failed")
             with open(path, "rb") as f:
                 traces = sum(1 for m in pickle.load(f) if m[0] == "T")
-            figures = {}
-            for mode in MODES:
-                for build in builds:
-                    if args.instructions:
-                        small = count_instructions(path, mode, args.reps, build)
-                        large = count_instructions(path, mode, 2 * args.reps, build)
-                        figures[mode, build] = (large - small) / (args.reps * traces)
-                    else:
-                        figures[mode, build] = cpu_seconds(path, mode, args.passes, args.rounds, build) * 1e6
-            fmt = (lambda v: f"{v / 1e3:.0f} k") if args.instructions else (lambda v: f"{v:.1f}")
-            cells = []
-            for mode in MODES:
-                cells += [fmt(figures[mode, build]) for build in builds]
-                cells += [f"{figures[mode, build] / figures[mode, 'sources']:.2f}" for build in builds[1:]]
-            extra = figures["exported", kept] - figures["verdict", kept]
-            print(f"| {label} | {' | '.join(cells)} | {fmt(extra)} |")
+            runs = [(None, build) for build in builds] + [(against, build) for build in other_builds]
+            figures = measure(path, traces, runs, args)
+            print(table_row(label, {(m, b): v for (t, m, b), v in figures.items() if t is None}, builds, kept, fmt))
+            if against is not None:
+                theirs = {(m, b): v for (t, m, b), v in figures.items() if t == against}
+                other_rows.append(table_row(label, theirs, other_builds, other_kept, fmt))
+                ratios = [
+                    f"{figures[None, mode, build] / theirs[mode, build]:.2f}"
+                    for mode in MODES
+                    for build in other_builds
+                    if build in builds
+                ]
+                ratio_rows.append(f"| {label} | {' | '.join(ratios)} |")
+    if against is not None:
+        print(f"\nthe same recordings replayed into {against} ({' and '.join(other_builds)})")
+        print(table_header(other_builds, names, other_kept))
+        print("\n".join(other_rows))
+        print(f"\nthis tree / {against}, the same recordings")
+        shared = [build for build in other_builds if build in builds]
+        print(f"| variant | {' | '.join(f'{mode} ({names[build]})' for mode in MODES for build in shared)} |")
+        print("|---|" + "---:|" * (len(MODES) * len(shared)))
+        print("\n".join(ratio_rows))
     return 0
 
 
