@@ -78,21 +78,44 @@ def test_an_exporter_allowed_compiled_modules_loads_the_source_of_one_built_befo
     source.write_text("")
     built = package / ("fast" + importlib.machinery.EXTENSION_SUFFIXES[0])
     built.write_bytes(b"")
-    finder = _compiled.SourceFirst(["pkg.fast"], stale_only=True)
+
+    # a finder decides once, at the first listed import (a process runs all compiled or none): one a state here
+    def find() -> importlib.machinery.ModuleSpec | None:
+        return _compiled.SourceFirst(["pkg.fast"], stale_only=True).find_spec("pkg.fast", [str(package)])
+
     os.utime(source, (1_000, 1_000))
     os.utime(built, (2_000, 2_000))
-    assert finder.find_spec("pkg.fast", [str(package)]) is None  # built from this source: the extension
+    assert find() is None  # built from this source: the extension
     os.utime(source, (3_000, 3_000))  # the source edited since
-    spec = finder.find_spec("pkg.fast", [str(package)])
+    spec = find()
     assert spec is not None and spec.origin == str(source)
     os.utime(source, (1_000, 1_000))
     declared = package / "fast.pxd"  # the C types Cython compiled it with, edited since: stale too
     declared.write_text("")
     os.utime(declared, (1_500, 1_500))
-    assert finder.find_spec("pkg.fast", [str(package)]) is None
+    assert find() is None
     os.utime(declared, (3_000, 3_000))
-    spec = finder.find_spec("pkg.fast", [str(package)])
+    spec = find()
     assert spec is not None and spec.origin == str(source)
+
+
+def test_one_stale_module_puts_every_listed_one_on_its_source(tmp_path):
+    """A compiled module calls another's functions in C (a cimport) and imports only beside the extension it was
+    compiled against: one module edited since its build, and every listed one loads from source."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    for name, built_at in (("fast", 2_000), ("other", 500)):  # other's source is newer than its extension
+        (package / f"{name}.py").write_text("")
+        os.utime(package / f"{name}.py", (1_000, 1_000))
+        built = package / (name + importlib.machinery.EXTENSION_SUFFIXES[0])
+        built.write_bytes(b"")
+        os.utime(built, (built_at, built_at))
+    stale = _compiled.SourceFirst(["pkg.fast", "pkg.other"], stale_only=True)
+    spec = stale.find_spec("pkg.fast", [str(package)])
+    assert spec is not None and spec.origin == str(package / "fast.py")  # current itself, yet from source
+    os.utime(package / ("other" + importlib.machinery.EXTENSION_SUFFIXES[0]), (2_000, 2_000))
+    current = _compiled.SourceFirst(["pkg.fast", "pkg.other"], stale_only=True)
+    assert current.find_spec("pkg.fast", [str(package)]) is None  # both current: the extensions
 
 
 def mapped_modules(pid: int) -> set[str]:

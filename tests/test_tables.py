@@ -196,3 +196,17 @@ def test_the_named_tuples_built_positionally_have_the_fields_in_the_order_their_
         "stream", "load",
     )  # fmt: skip
     assert ProcessLoad._fields == ("cpus", "cpus_used", "runnable", "requests")
+
+
+def test_a_stage_record_of_another_shape_is_refused_before_it_is_read():
+    """A record whose fields are not a tuple (as shipped) or a list is malformed: a dict of the right length
+    would fill the stage with its keys while its checks read its values."""
+    import pytest
+
+    from stagetrace.common import wire
+
+    good = list(wire.ShippedStage.added("s", "cpu", 1, 2, 3, 4).__getattribute__(f) for f in wire.STAGE_FIELDS)
+    assert wire.ShippedStage(tuple(good)).name == "s"
+    for shape in (dict(enumerate(good)), set(range(len(good))), "x" * len(good)):
+        with pytest.raises(ValueError, match="a stage record is a tuple"):
+            wire.ShippedStage(shape)

@@ -79,12 +79,28 @@ def _built_since(built: str, source: str) -> bool:
 
 class SourceFirst(importlib.abc.MetaPathFinder):
     """Finds the ``.py`` of each listed module, so that the extension module beside it is not loaded: always, or
-    with ``stale_only`` (an exporter allowed to run compiled) where the source changed after the extension
-    was built (or its ``.pxd``), which then no longer is what the source says (a checkout being edited)."""
+    with ``stale_only`` (an exporter allowed to run compiled) where any listed module is stale: its extension
+    missing, or built before its source or its ``.pxd`` changed (a checkout being edited). All of them then,
+    not that one alone: a compiled module calls another's functions in C (a ``cimport``), and imports only
+    when that one is the extension it was compiled against."""
 
     def __init__(self, names: Sequence[str] = COMPILED_MODULES, *, stale_only: bool = False) -> None:
         self.names = frozenset(names)
         self.stale_only = stale_only
+        self._any_stale: bool | None = None  # found at the first listed import, from where that one lives
+
+    def _some_stale(self, fullname: str, directory: str) -> bool:
+        if self._any_stale is None:
+            root = directory
+            for _ in range(fullname.count(".")):  # ``directory`` holds ``fullname``: up to where its top package is
+                root = os.path.dirname(root)
+            sources = [os.path.join(root, *name.split(".")) + ".py" for name in self.names]
+            self._any_stale = not all(
+                (built := _extension_beside(source)) is not None and _built_since(built, source)
+                for source in sources
+                if os.path.isfile(source)
+            )
+        return self._any_stale
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
@@ -95,10 +111,8 @@ class SourceFirst(importlib.abc.MetaPathFinder):
         for entry in path or sys.path:
             source = os.path.join(entry, leaf)
             if os.path.isfile(source):
-                if self.stale_only:
-                    built = _extension_beside(source)
-                    if built is not None and _built_since(built, source):
-                        return None  # built from this very source: the usual import loads it
+                if self.stale_only and not self._some_stale(fullname, entry):
+                    return None  # every one built from its very source: the usual import loads the extension
                 return importlib.util.spec_from_file_location(fullname, source)
         return None  # no source: let the rest of the import system say what it finds
 
@@ -148,9 +162,11 @@ def status() -> str:
     if not built:
         return "stagetrace: the exporter runs as pure Python (no compiled modules: no C compiler at install?)"
     forced = " (STAGETRACE_PURE_PYTHON=1: not used)" if pure_python_forced() else ""
-    stale = (
-        f"; {len(built) - len(current)} built before their source changed run from source (pip install -e . again)"
-        if len(current) < len(built)
-        else ""
+    if len(current) == len(COMPILED_MODULES):
+        return f"stagetrace: the exporter runs {len(current)} of {len(COMPILED_MODULES)} modules compiled{forced}"
+    stale = len(built) - len(current)
+    why = f"{stale} built before their source changed" if stale else f"{len(COMPILED_MODULES) - len(built)} not built"
+    return (
+        f"stagetrace: the exporter runs 0 of {len(COMPILED_MODULES)} modules compiled{forced}: {why}, so all run from"
+        " source (compiled ones call each other in C; pip install -e . again)"
     )
-    return f"stagetrace: the exporter runs {len(current)} of {len(COMPILED_MODULES)} modules compiled{forced}{stale}"

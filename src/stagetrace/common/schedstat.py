@@ -23,7 +23,9 @@ try:  # compiled by Cython, ``cython.compiled`` is True; from the sources it is 
 except ImportError:
     _COMPILED = False
 
-_MAX_DIGITS = 18  # a field of more is no count of nanoseconds (and would not fit a C long long, compiled)
+# A field of more digits is refused: no count the kernel keeps for a thread reaches it (10**18 ns is 31 years on a
+# CPU), and compiled, a C long long holds every count of 18 digits.
+_MAX_DIGITS = 18
 
 
 def schedstat_delta(start: bytes, end: bytes) -> tuple[float, float, int | None]:

@@ -184,6 +184,8 @@ class ShippedStage:
     others_cpu_ms: float | None
 
     def __init__(self, fields: Sequence[Any]) -> None:
+        if type(fields) is not tuple and type(fields) is not list:  # (a dict would unpack its keys, read its values)
+            raise ValueError(f"a stage record is a tuple, not a {type(fields).__name__}")
         if len(fields) != len(STAGE_FIELDS):
             raise ValueError(f"a stage record has {len(STAGE_FIELDS)} fields, got {len(fields)}")
         _assign_stage_fields(self, fields)  # and the derived fields None

@@ -337,7 +337,9 @@ def sampler_mean_ms(
         hi += 1
     if hi <= lo:
         return None
-    # the wake-ups' sum and longest, as ``sum`` and ``max`` give them (a loop: C doubles where compiled)
+    # the wake-ups' sum, left to right (as ``sum`` adds floats before Python 3.12, whose compensated sum may
+    # differ in the last bit: both builds add the same way here), and the longest as ``max`` gives it; a loop,
+    # on C doubles where compiled
     total = 0.0
     longest = values[lo]
     for i in range(lo, hi):
