@@ -180,6 +180,16 @@ class Harness:
         return self.verdicts
 
 
+def in_compiled_exporter(args: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``python *args`` in a process that imports the compiled modules, as an exporter allowed them does (the
+    suite's own ``STAGETRACE_PURE_PYTHON`` left out), its output captured as text."""
+    from stagetrace import _compiled
+
+    env = {k: v for k, v in os.environ.items() if k != _compiled.PURE_PYTHON_VARIABLE}
+    env[_compiled.EXPORTER_VARIABLE] = "1"
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, **kwargs)
+
+
 @pytest.fixture
 def export_mode() -> str:
     """Where the exporter's work runs: "process" (the default) or "thread". Test modules that must hold in

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stagetrace
+from conftest import in_compiled_exporter
 from stagetrace import _compiled
 from stagetrace import conventions as c
 from stagetrace.common import wire
@@ -238,13 +239,10 @@ def test_the_compiled_exporter_and_the_sources_give_the_same_verdicts_field_by_f
 def test_the_typed_modules_pass_their_own_tests_compiled():
     """Where a ``.pxd`` types a module's locals as C values (schedstat, the signal windows, the metric store),
     the compiled module is held to the tests its sources pass: they run here in a process that imports it."""
-    env = {k: v for k, v in os.environ.items() if k != _compiled.PURE_PYTHON_VARIABLE}
-    env[_compiled.EXPORTER_VARIABLE] = "1"
     files = ["tests/test_signal_values.py", "tests/test_signals.py", "tests/test_export_values.py"]
     check = "from stagetrace.exporter import signals; assert not signals.__file__.endswith('.py')"
-    subprocess.run([sys.executable, "-c", check], env=env, check=True)
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *files],
-        cwd=HERE.parent, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+    in_compiled_exporter(["-c", check], check=True)
+    run = in_compiled_exporter(
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *files], cwd=HERE.parent
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

@@ -5,14 +5,12 @@ compiled build the exporter runs."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import in_compiled_exporter
 from stagetrace import _compiled
 from stagetrace.common import decimals
 from stagetrace.common.decimals import round_to
@@ -125,7 +123,5 @@ def test_the_compiled_module_gives_the_same_floats():
         "bad = [(v, d) for v in values for d in range(7) if repr(decimals.round_to(v, d)) != repr(round(v, d))]\n"
         "sys.exit(f'differ: {bad[:5]}' if bad else 0)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != _compiled.PURE_PYTHON_VARIABLE}
-    env[_compiled.EXPORTER_VARIABLE] = "1"
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    run = in_compiled_exporter(["-c", script])
     assert run.returncode == 0, run.stdout + run.stderr

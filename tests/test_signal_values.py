@@ -8,15 +8,13 @@ wrong bound, constant, default or rounding gives a different answer."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import in_compiled_exporter
 from stagetrace import _compiled
 from stagetrace.analysis.loopwait import LoopBlock
 from stagetrace.analysis.model import CompressedInfo
@@ -517,9 +515,7 @@ def test_the_compiled_schedstat_reads_by_its_walk_and_as_the_sources_do():
         "        return 'refused'\n"
         "print(repr([result(a, b) for a in readings for b in readings]))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != _compiled.PURE_PYTHON_VARIABLE}
-    env[_compiled.EXPORTER_VARIABLE] = "1"
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    run = in_compiled_exporter(["-c", script])
     assert run.returncode == 0, run.stdout + run.stderr
 
     def result(start, end):

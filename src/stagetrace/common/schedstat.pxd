@@ -12,5 +12,5 @@ cpdef tuple schedstat_delta(object start, object end)
 
 
 @cython.locals(first=cython.longlong, second=cython.longlong, third=cython.longlong, value=cython.longlong,
-               digits=cython.int, field=cython.int, byte=cython.uchar)
+               digits=cython.int, field=cython.int, byte=cython.uchar, padded=bytes)
 cpdef tuple _fields_by_bytes(bytes reading)

@@ -65,7 +65,8 @@ def _fields_by_bytes(reading: bytes) -> tuple[int, int, int]:
     """``_fields_by_split`` by a walk over the bytes: slow in the interpreter, C arithmetic where compiled."""
     first = second = value = digits = field = 0
     third = -1
-    for byte in reading:
+    padded = reading + b"\n"  # a last field ends at whitespace too
+    for byte in padded:
         if 48 <= byte <= 57:  # an ASCII digit
             if digits == _MAX_DIGITS:
                 raise ValueError(f"a schedstat field is a count of at most {_MAX_DIGITS} digits")
@@ -84,16 +85,7 @@ def _fields_by_bytes(reading: bytes) -> tuple[int, int, int]:
                 value = digits = 0
         else:
             raise ValueError(f"a schedstat field is a count: {reading!r}")
-    else:
-        if digits:  # the last field ran to the end
-            if field == 0:
-                first = value
-            elif field == 1:
-                second = value
-            else:
-                third = value
-            field += 1
-    if field < 2:
+    if field < 2:  # (a break above is at the third)
         raise ValueError("a schedstat reading has at least two fields")
     return first, second, third
 
