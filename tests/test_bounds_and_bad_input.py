@@ -116,6 +116,41 @@ def test_a_full_hand_off_queue_drops_and_counts_and_never_blocks(make_harness):
     assert len(roots) == len(h.verdicts) == 5 - lost  # every trace not dropped is whole, with its verdict
 
 
+def test_the_helper_frees_each_trace_once_it_is_packed_not_at_the_end_of_its_batch():
+    """At saturation a cycle packs hundreds of traces: each one's records go as soon as it is packed, so that the
+    batch never holds them all (memory, and the garbage collector's passes over them), and its wire tuple holds
+    the only references to its ids and times (``marshal`` writes those without its table of back-references)."""
+    import weakref
+    from types import SimpleNamespace
+
+    from stagetrace.handoff.shipper import Shipper
+
+    class Trace:
+        pass
+
+    shipper = Shipper(
+        settings=Settings(),
+        transport_factory=lambda s: None,  # never started here
+        app_metrics=None,
+        registry=SimpleNamespace(clear=lambda: None),
+    )
+    packed: list[weakref.ref[Trace]] = []
+    earlier_alive = []
+
+    def pack_into(messages: list, item: tuple) -> None:
+        earlier_alive.append(sum(ref() is not None for ref in packed))
+        packed.append(weakref.ref(item[0]))
+        messages.append(("T", len(packed)))
+
+    shipper._pack_into = pack_into  # type: ignore[method-assign]
+    taken = [(Trace(), None) for _ in range(5)]
+    messages: list = []
+    shipper._pack_taken(taken, messages)
+    assert messages == [("T", n) for n in range(1, 6)]  # in the order they came
+    assert taken == [] and earlier_alive == [0] * 5
+    assert all(ref() is None for ref in packed)
+
+
 def test_stage_name_cardinality_is_capped_in_metrics(make_harness):
     h = make_harness(settings=Settings(max_stage_names=20))
     for i in range(200):

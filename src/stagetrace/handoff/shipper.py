@@ -277,8 +277,7 @@ class Shipper:
             blocks = self.loop_blocks.drain()
             if blocks:
                 messages.append((wire.LOOP_BLOCKS, tuple(blocks)))
-        self._pack_taken(taken, messages)
-        del taken  # nothing of a record outlives its packing here: a flush answered below ends with them gone
+        self._pack_taken(taken, messages)  # (it empties the list: nothing of a record outlives its packing here)
         if self._parked:
             self._drain_parked(messages, force=final)
         calls = self.app_metrics.take()
@@ -297,7 +296,10 @@ class Shipper:
         self._periodic()
 
     def _pack_taken(self, taken: list[Any], messages: list[tuple[Any, ...]]) -> None:
-        for item in taken:
+        """Packs ``taken``, emptying it as it goes: each trace's records are freed as soon as it is packed."""
+        taken.reverse()
+        while taken:
+            item = taken.pop()
             if isinstance(item, _FlushMarker):
                 self._flushes.append(item)
             elif not self._gpu_ready(item):
