@@ -2,7 +2,6 @@
 
     python benchmarks/overhead.py [--pipelines 2000] [--stages 8] [--rounds 5]
     python benchmarks/overhead.py --instructions [--pipelines 150]   # valgrind: instructions, per thread
-    python benchmarks/overhead.py --helper-packing [--against OTHER/src]  # the helper thread's, collector off
 
 (a) the classic dict profiler: two perf_counter_ns calls and a dict store per stage;
 (b) one OpenTelemetry SDK span per stage (start_as_current_span) with BatchSpanProcessor and a no-op exporter;
@@ -26,13 +25,12 @@ Needs ``apt-get install valgrind``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 os.environ.setdefault("OTEL_BSP_MAX_QUEUE_SIZE", "1000000")
 os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "200")
@@ -123,15 +121,6 @@ INSTRUCTION_VARIANTS = {
 }
 
 
-# Set in a counted run's environment by --helper-packing: the garbage collector off once the set-up is frozen.
-# Its passes over the young objects land in whichever thread allocates when the generation fills, the request
-# thread or the helper, by the run's timing: with it on, the helper's figure for the same code moved by 20 k a
-# trace between runs. Off, the helper's count is its own work, packing and writing; it still moves by ~5 %
-# between runs (the exporter's pace under valgrind changes how often the helper reads its answers), which the
-# side-by-side ratio of two trees counted in one run cancels (0.01 between runs).
-COLLECTOR_OFF = "OVERHEAD_COLLECTOR_OFF"
-
-
 def instruction_workload(variant: str, children: int, pipelines: int) -> None:
     """One counted run: ``pipelines`` roots with ``children`` children each, everything flushed and shut
     down (with a deadline long enough for valgrind's pace)."""
@@ -173,8 +162,6 @@ def instruction_workload(variant: str, children: int, pipelines: int) -> None:
     # objects are still collected, and counted, as before.
     gc.collect()
     gc.freeze()
-    if os.environ.get(COLLECTOR_OFF):
-        gc.disable()
     for _ in range(pipelines):
         with tracer.start_as_current_span("request"):
             if kind == "stages":
@@ -244,76 +231,40 @@ def count_instructions(variant: str, children: int, pipelines: int, env: dict[st
         return _callgrind_counts(directory)
 
 
-@contextlib.contextmanager
-def counting_env() -> Iterator[dict[str, str]]:
-    """The environment of counted runs: a local sink that drops what the exporter sends, no metrics export,
-    a scratch output directory, a fixed hash seed. SystemExit where valgrind is missing."""
+def instructions_main(pipelines: int) -> int:
     import shutil
     import subprocess
     import tempfile
 
     if shutil.which("valgrind") is None:
-        raise SystemExit("counting instructions needs valgrind (apt-get install valgrind)")
+        print("--instructions needs valgrind (apt-get install valgrind)", file=sys.stderr)
+        return 2
     from harness import free_port, wait_for_port
 
     sink_port = free_port()
     here = os.path.dirname(os.path.abspath(__file__))
     sink = subprocess.Popen([sys.executable, os.path.join(here, "e2e.py"), "sink", str(sink_port)])
     out_dir = tempfile.mkdtemp(prefix="stagetrace-icount-")
+    env = dict(
+        os.environ,
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{sink_port}",
+        OTEL_METRICS_EXPORTER="none",
+        STAGETRACE_OUTPUT_DIR=out_dir,
+        PYTHONHASHSEED="0",
+    )
     try:
         wait_for_port(sink_port, sink, timeout_s=30)
-        yield dict(
-            os.environ,
-            OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{sink_port}",
-            OTEL_METRICS_EXPORTER="none",
-            STAGETRACE_OUTPUT_DIR=out_dir,
-            PYTHONHASHSEED="0",
-        )
-    finally:
-        sink.terminate()
-        shutil.rmtree(out_dir, ignore_errors=True)
-
-
-def per_pipeline(variant: str, children: int, pipelines: int, env: dict[str, str]) -> dict[str, float]:
-    """Instructions a pipeline in each part (request thread, helper threads, exporter): N and 2N runs, so that
-    start-up cancels."""
-    small = count_instructions(variant, children, pipelines, env)
-    large = count_instructions(variant, children, 2 * pipelines, env)
-    return {k: (large[k] - small[k]) / pipelines for k in small}
-
-
-def helper_packing_main(pipelines: int, against: str | None) -> int:
-    """The helper thread's work a trace (a root and five stages) and a stage, with the garbage collector off in
-    the counted runs, for this tree and, with ``--against``, another (its ``src``, put first on the path)."""
-    trees = [("this tree", None)] + ([(against, against)] if against else [])
-    rows = []
-    with counting_env() as base:
-        for label, path in trees:
-            env = dict(base, **{COLLECTOR_OFF: "1"})
-            if path:
-                env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(path), env.get("PYTHONPATH")]))
-            root = per_pipeline("stages", 0, pipelines, env)["helper"]
-            trace = per_pipeline("stages", CHILDREN, pipelines, env)["helper"]
-            rows.append((label, root, (trace - root) / CHILDREN, trace))
-    print(
-        f"helper thread instructions (callgrind, the collector off; {pipelines} and {2 * pipelines} pipelines), "
-        f"python {sys.version.split()[0]}"
-    )
-    print(f"{'tree':40} {'root alone':>11} {'a stage':>9} {'root + ' + str(CHILDREN) + ' stages':>16} {'x other':>8}")
-    for label, root, stage, trace in rows:
-        ratio = f"{trace / rows[-1][3]:8.2f}" if len(rows) > 1 else ""
-        print(f"{label:40} {root / 1e3:10.1f}k {stage / 1e3:8.1f}k {trace / 1e3:15.1f}k {ratio}")
-    return 0
-
-
-def instructions_main(pipelines: int) -> int:
-    per_unit: dict[tuple[str, int], dict[str, float]] = {}
-    with counting_env() as env:
+        per_unit: dict[tuple[str, int], dict[str, float]] = {}
         for variant in INSTRUCTION_VARIANTS:
             for children in (0, CHILDREN):
                 if children == 0 and variant not in ("sdk", "stages"):
                     continue  # stagetrace's root is the same in every stagetrace variant
-                per_unit[(variant, children)] = per_pipeline(variant, children, pipelines, env)
+                small = count_instructions(variant, children, pipelines, env)
+                large = count_instructions(variant, children, 2 * pipelines, env)
+                per_unit[(variant, children)] = {k: (large[k] - small[k]) / pipelines for k in small}
+    finally:
+        sink.terminate()
+        shutil.rmtree(out_dir, ignore_errors=True)
 
     def per_child(variant: str, part: str) -> float:
         root = per_unit[("sdk" if variant == "sdk" else "stages", 0)][part]
@@ -356,18 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--instructions", action="store_true", help="count instructions under valgrind instead")
-    ap.add_argument(
-        "--helper-packing", action="store_true", help="the helper thread's instructions a trace, the collector off"
-    )
-    ap.add_argument("--against", metavar="SRC", help="with --helper-packing: also count another tree's src")
     ap.add_argument("--workload", choices=sorted(INSTRUCTION_VARIANTS), help=argparse.SUPPRESS)
     ap.add_argument("--children", type=int, default=CHILDREN, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.workload:
         instruction_workload(args.workload, args.children, args.pipelines)
-    if args.instructions or args.helper_packing:
-        pipelines = args.pipelines if args.pipelines != 2000 else 150
-        return helper_packing_main(pipelines, args.against) if args.helper_packing else instructions_main(pipelines)
+    if args.instructions:
+        return instructions_main(args.pipelines if args.pipelines != 2000 else 150)
     p, k = args.pipelines, args.stages
 
     sdk_tp = TracerProvider(shutdown_on_exit=False)

@@ -118,8 +118,7 @@ def test_a_full_hand_off_queue_drops_and_counts_and_never_blocks(make_harness):
 
 def test_the_helper_frees_each_trace_once_it_is_packed_not_at_the_end_of_its_batch():
     """At saturation a cycle packs hundreds of traces: each one's records go as soon as it is packed, so that the
-    batch never holds them all (memory, and the garbage collector's passes over them), and its wire tuple holds
-    the only references to its ids and times (``marshal`` writes those without its table of back-references)."""
+    batch never holds them all (memory, and the garbage collector's passes over them)."""
     import weakref
     from types import SimpleNamespace
 
@@ -149,6 +148,29 @@ def test_the_helper_frees_each_trace_once_it_is_packed_not_at_the_end_of_its_bat
     assert messages == [("T", n) for n in range(1, 6)]  # in the order they came
     assert taken == [] and earlier_alive == [0] * 5
     assert all(ref() is None for ref in packed)
+
+
+def test_a_shipped_traces_records_are_freed_without_the_garbage_collector(make_harness):
+    """A stage's record and another instrumentation's span point at their trace, which holds them in its lists: a
+    cycle that only the garbage collector frees, in passes over every record of the traces in flight. Once the
+    trace is packed its lists let go, and its records go by reference counting alone (the collector off here)."""
+    import weakref
+
+    from opentelemetry import trace as trace_api
+
+    h = make_harness()
+    gc.disable()
+    try:
+        with stagetrace.pipeline("p"):
+            with stagetrace.stage("s"):
+                stage_record = weakref.ref(trace_api.get_current_span())
+            with h.tracer.start_as_current_span("foreign") as span:
+                foreign = weakref.ref(span)
+            del span
+        h.wait_verdicts(1)
+        assert stage_record() is None and foreign() is None
+    finally:
+        gc.enable()
 
 
 def test_stage_name_cardinality_is_capped_in_metrics(make_harness):

@@ -434,7 +434,7 @@ class Shipper:
         task_created_ns, received_ms_ago = trace.arrival or (0, -1)
         pack = fanout.pack_member_stage if tickets else pack_stage_record
         worker_runs = trace.worker_runs
-        return wire.trace_message(
+        message = wire.trace_message(
             trace_id=trace.trace_id,
             flags=flags & wire.FLAGS_MASK,
             state=wire.trace_state_header(state),
@@ -451,6 +451,13 @@ class Shipper:
             stream=trace.stream.packed() if trace.stream is not None else None,
             gen_ai=trace.gen_ai,
         )
+        if trace.batch is None:  # (a batch's own trace: the traces it served read its stages when they ship)
+            # Its records point back at it (a stage's and a span's ``trace``): held in its lists, they form a
+            # cycle that only the garbage collector frees, in passes over every record of the traces in flight.
+            # Closed, the lists are read by nobody: emptied, the records go as soon as nothing else holds them.
+            trace.stages.clear()
+            trace.others.clear()
+        return message
 
     def _ticket_unused(self) -> None:
         self.app_metrics.dropped("batch_ticket_unused")
