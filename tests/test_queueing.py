@@ -86,6 +86,16 @@ def test_arrivals_within_capacity_never_queue(harness, concurrency):
     assert saturated == []
 
 
+def occurrence_flags(waits):
+    """Each occurrence's QUEUE_SATURATED (None: absent, not known) in the order they were recorded: the real
+    stages, then those folded into the composite, which carries the flag they share."""
+    real = [s for s in waits if c.COMPRESSED_COUNT not in s.attributes and not s.attributes.get(c.COMPRESSED_SLOWEST)]
+    flags = [s.attributes.get(c.QUEUE_SATURATED) for s in sorted(real, key=lambda s: s.start_time)]
+    for composite in (s for s in waits if c.COMPRESSED_COUNT in s.attributes):
+        flags += [composite.attributes.get(c.QUEUE_SATURATED)] * composite.attributes[c.COMPRESSED_COUNT]
+    return flags
+
+
 @pytest.fixture
 def threads_patched():
     from stagetrace.integrations.threads import propagate_context_to_threads, stop_propagating_context
@@ -111,9 +121,9 @@ def test_an_executor_burst_marks_exactly_the_tasks_beyond_its_workers_as_queued(
         (v,) = harness.wait_verdicts(1)
     finally:
         pool.shutdown()
-    waits = sorted(harness.by_name("infer.wait"), key=lambda s: s.start_time)
-    flags = [s.attributes.get(c.QUEUE_SATURATED) for s in waits]  # absent: not known
-    # the first two tasks started new workers (a wait stage only if dispatch took 0.5 ms or more)
+    flags = occurrence_flags(harness.by_name("infer.wait"))
+    # the first two tasks started new workers (a wait stage only if dispatch took 0.5 ms or more), 30 ms
+    # before the other four found a worker
     assert flags[-4:] == [True] * 4 and not any(flags[:-4])
     assert "QUEUEING" in v.diagnosis_codes
 
@@ -161,3 +171,69 @@ def test_occupancy_counts_per_pool_and_forgets_empty_pools():
     assert len(occ) == 0
     occ.leave(a)  # an extra leave never goes negative
     assert occ.enter(a) == 0
+
+
+def test_a_streams_hops_to_the_thread_pool_say_whether_the_pool_was_full(harness):
+    """A sync generator's ``next()`` runs on the thread pool at each chunk: a hop that found every token
+    taken (here by a sync endpoint holding the only one) is queueing, the hops after it, with the token
+    free, are not, however long a busy host makes them wait for a CPU (unflagged, a loaded CI host read
+    them as QUEUEING). Past the first few, the hops fold into a composite that keeps the flag they share."""
+    import threading
+
+    from fastapi.responses import StreamingResponse
+    from fastapi.testclient import TestClient
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        anyio.to_thread.current_default_thread_limiter().total_tokens = 1
+        yield
+
+    app = FastAPI(lifespan=lifespan)
+    holding = threading.Event()
+
+    @app.get("/hold")
+    def hold():
+        holding.set()
+        time.sleep(0.3)
+        return {}
+
+    @app.get("/stream")
+    def stream():
+        return StreamingResponse(iter("abcdef"), media_type="text/plain")
+
+    stagetrace.instrument_fastapi(app)
+    with TestClient(app) as client:
+        holder = threading.Thread(target=client.get, args=("/hold",))
+        holder.start()
+        assert holding.wait(5)
+        assert client.get("/stream").text == "abcdef"
+        holder.join()
+    harness.wait_verdicts(2)
+    (stream_trace,) = {s.context.trace_id for s in harness.by_name("GET /stream")}
+    hops = sorted(
+        (s for s in harness.by_name("threadpool.wait") if s.context.trace_id == stream_trace),
+        key=lambda s: s.start_time,
+    )  # the composite starts with its first folded occurrence: after the real ones
+    # eight hops: the sync endpoint, which waited for /hold's token, then six chunks and the generator's end,
+    # the last five folded
+    assert occurrence_flags(hops) == [True] + [False] * 7
+    assert sum(c.COMPRESSED_COUNT in s.attributes for s in hops) == 1
+    assert (hops[0].end_time - hops[0].start_time) / 1e6 >= 150
+
+
+def test_a_composite_keeps_the_flag_its_occurrences_share_and_none_once_they_differ():
+    from stagetrace.capture.records import Repeat, StageRecord
+
+    def occurrence(flag):
+        rec = StageRecord.__new__(StageRecord)
+        rec.start_ns, rec.end_ns, rec.error, rec.on_event_loop, rec.queue_saturated = 0, 10, None, False, flag
+        return rec
+
+    def folded(*flags):
+        composite = Repeat.started("threadpool.wait", "wait", 1, 0, 2)
+        for flag in flags:
+            composite.fold(occurrence(flag))
+        return composite.queue_saturated
+
+    assert (folded(False, False), folded(True, True), folded(None, None)) == (False, True, None)
+    assert folded(False, True) is None and folded(True, False, True) is None and folded(False, None, False) is None

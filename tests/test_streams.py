@@ -693,7 +693,7 @@ def test_slow_streams_are_judged_kept_logged_and_counted_by_their_phase(make_har
     assert (verdicts["/gaps"].slow_reason, verdicts["/first"].slow_reason) == (c.SLOW_GAP, c.SLOW_FIRST_CHUNK)
     assert not verdicts["/long"].slow and verdicts["/long"].total_ms > 50.0
     kept = {r.attributes[c.HTTP_ROUTE]: r.attributes for r in h.roots()}
-    assert set(kept) == {"/gaps", "/first"}
+    assert set(kept) == {"/gaps", "/first"}, {route: a.get(c.DIAGNOSIS) for route, a in kept.items()}
     assert kept["/gaps"][c.SLOW_REASON] == c.SLOW_GAP and kept["/gaps"][c.STREAM_GAP_THRESHOLD_MS] == 20.0
     assert (
         kept["/first"][c.SLOW_REASON] == c.SLOW_FIRST_CHUNK

@@ -198,6 +198,11 @@ class StageRecord(SpanContextOnDemand, NonRecordingSpan):
 pack_stage_record = record_packer(StageRecord)
 
 
+# The fields set on a recorded stage (``capture.stage.add_stage``) that a composite aggregates over the
+# occurrences it folds; a stage with any other set is never folded, so that its own value is not lost.
+FOLDED_FIELDS = frozenset({"queue_saturated"})
+
+
 class Repeat:
     """A stage name's occurrences under one parent span in one trace. The first ``KEEP_REPEATS`` stay real
     stages; from then on every occurrence folds into this record at its exit (its time summed, the least
@@ -220,6 +225,7 @@ class Repeat:
         "on_event_loop",
         "parent_span_id",
         "parent_stage_id",
+        "queue_saturated",
         "slowest",
         "span_id",
         "start_ns",
@@ -228,7 +234,7 @@ class Repeat:
 
     # The shipped fields (common.wire.STAGE_FIELDS) a composite has no value for; no CUDA events of its own.
     cpu_start = cpu_end = attributes = gpu_ms = gpu_utilization = h2d_bytes = h2d_pinned = None
-    queue_saturated = gpu = worker_pid = offload = None
+    gpu = worker_pid = offload = None
     example = False
     gpu_resolved = True
 
@@ -246,6 +252,8 @@ class Repeat:
         self.error: tuple[str, str, str] | None = None
         self.batch: tuple[Any, ...] | None = None  # a folded batch wait's: its formation and busy time summed
         self.on_event_loop = False  # an occurrence ran sync on the event loop (EVENT_LOOP_BLOCKED reads it)
+        # The folded occurrences' shared flag, None once they differ (a wait's time then counts as queued).
+        self.queue_saturated: bool | None = None
 
     @property
     def compressed(self) -> tuple[int, int, int, int]:
@@ -264,6 +272,7 @@ class Repeat:
         self.error = None
         self.batch = None
         self.on_event_loop = False
+        self.queue_saturated = None
         return self
 
     def fold(self, rec: StageRecord) -> None:
@@ -273,7 +282,9 @@ class Repeat:
         ns = end - start if end > start else 0
         self.folded += 1
         if self.folded == 1:
-            self.start_ns, self.min_ns = start, ns
+            self.start_ns, self.min_ns, self.queue_saturated = start, ns, rec.queue_saturated
+        elif rec.queue_saturated is not self.queue_saturated:
+            self.queue_saturated = None
         self.sum_ns += ns
         if end > self.end_ns:
             self.end_ns = end

@@ -25,7 +25,7 @@ from stagetrace._compat import runtime_context_var, span_context_is_a_plain_tupl
 from stagetrace._safety import report_internal_error, warn_once
 from stagetrace.capture.light_spans import LightSpan
 from stagetrace.capture.loopblocks import note_loop_block
-from stagetrace.capture.records import StageRecord, count_repeat, folding_repeat
+from stagetrace.capture.records import FOLDED_FIELDS, StageRecord, count_repeat, folding_repeat
 from stagetrace.conventions import RESERVED_STAGE_NAMES, STAGE_KINDS
 from stagetrace.settings import (
     CPU_ACCOUNTING_MIN_MS,
@@ -415,7 +415,8 @@ def add_stage(name: str, kind: str, start_ns: int, end_ns: int, **fields: Any) -
     span = _get_context().get(_SPAN_KEY)
     if span is None or not span.get_span_context().is_valid:
         return
-    rec = enter_stage(name, kind, None, sync=False, foldable=all(v is None for v in fields.values()))
+    foldable = all(v is None for k, v in fields.items() if k not in FOLDED_FIELDS)
+    rec = enter_stage(name, kind, None, sync=False, foldable=foldable)
     if rec is not None:
         rec.start_ns = start_ns
         for key, value in fields.items():

@@ -21,20 +21,27 @@ from stagetrace.integrations.threads import OCCUPANCY, timed_wait
 THREADPOOL_WAIT_STAGE = "threadpool.wait"
 
 
+async def _on_worker(run: Any, min_ns: int | None, func: Any, *args: Any, **kwargs: Any) -> Any:
+    """``run(func, *args, **kwargs)`` on anyio's default thread pool, its wait for a worker a
+    ``threadpool.wait`` stage that says whether every token was spoken for when it asked: a wait behind a
+    full pool is QUEUEING, a wait for a free worker to get a CPU (a busy host) is not."""
+    limiter = _default_limiter()
+    if limiter is None:
+        return await run(timed_wait(func, THREADPOOL_WAIT_STAGE, None, min_ns), *args, **kwargs)
+    saturated = _limiter_saturated(limiter, OCCUPANCY.enter(limiter))
+    try:
+        # The wrapped function runs on the worker, in the request's copied context.
+        return await run(timed_wait(func, THREADPOOL_WAIT_STAGE, saturated, min_ns), *args, **kwargs)
+    finally:
+        OCCUPANCY.leave(limiter)  # the token goes back in this same step of the loop
+
+
 def _make_run_in_threadpool(original: Any) -> Any:
     @functools.wraps(original)
     async def run_in_threadpool(func: Any, *args: Any, **kwargs: Any) -> Any:
         if _state.runtime is None:
             return await original(func, *args, **kwargs)
-        limiter = _default_limiter()
-        if limiter is None:
-            return await original(timed_wait(func, THREADPOOL_WAIT_STAGE, None), *args, **kwargs)
-        saturated = _limiter_saturated(limiter, OCCUPANCY.enter(limiter))
-        try:
-            # The wrapped function runs on the worker, in the request's copied context.
-            return await original(timed_wait(func, THREADPOOL_WAIT_STAGE, saturated), *args, **kwargs)
-        finally:
-            OCCUPANCY.leave(limiter)  # the token goes back in this same step of the loop
+        return await _on_worker(original, None, func, *args, **kwargs)
 
     return run_in_threadpool
 
@@ -122,7 +129,7 @@ def _make_app_call(original: Any) -> Any:
 def _make_iterate_in_threadpool(original: Any) -> Any:
     """Starlette's ``StreamingResponse`` runs each ``next()`` of a sync generator on the thread pool: each
     hop's wait for a worker is a ``threadpool.wait`` stage (folded with the others past the first few), so
-    a stream's time between chunks is in stages, not untracked."""
+    a stream's time between chunks is in stages, not untracked, each saying whether the pool was full."""
 
     @functools.wraps(original)
     async def iterate_in_threadpool(iterator: Any) -> Any:
@@ -134,9 +141,8 @@ def _make_iterate_in_threadpool(original: Any) -> Any:
 
         as_iterator = iter(iterator)
         while True:
-            step = timed_wait(_next_or_stop, THREADPOOL_WAIT_STAGE, None, min_ns=0)  # every hop: they fold
-            try:
-                yield await anyio.to_thread.run_sync(step, as_iterator)
+            try:  # every hop, however short, is a stage: they fold
+                yield await _on_worker(anyio.to_thread.run_sync, 0, _next_or_stop, as_iterator)
             except _Exhausted:
                 break
 
