@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from stagetrace.common import wire
 from stagetrace.common.wire import flatten
 from stagetrace.exporter import signals as compiled_or_source
 from stagetrace.exporter.signals import LagSeries, max_loop_lag_ms
@@ -96,14 +97,13 @@ def test_the_other_threads_totals_are_read_between_readings_that_bracket_the_sta
     assert cumulative_change(total, 995 * MS, 1015 * MS) is None  # no reading before the stage
     assert cumulative_change(total, 1005 * MS, 1035 * MS) is None  # none after it (yet)
 
-    from types import SimpleNamespace
-
     cpu = series((1000, 100.0), (1020, 112.0))
 
-    def stage(**fields):
-        return SimpleNamespace(
-            **{"start_ns": 5 * MS, "end_ns": 15 * MS, **fields}, others_runqueue_ms=None, others_cpu_ms=None
-        )
+    def stage(start_ns=5 * MS, end_ns=15 * MS, **fields):
+        st = wire.ShippedStage.added("parse", "cpu", 1, 2, start_ns, end_ns)
+        for name, value in fields.items():
+            setattr(st, name, value)
+        return st
 
     blocked = stage(blocked_ms=6.0, runqueue_ms=1.5, cpu_ms=4.0)
     resolve_others(blocked, total, cpu, offset_ns=1000 * MS)  # the stage's own 1.5 ms and 4 ms are not another's
@@ -341,16 +341,13 @@ def test_not_gil_never_claims_more_than_the_waits_that_were_not_the_gil(gil_wait
 
 
 def test_resolve_cpu_reads_the_slice_count_from_schedstat():
-    from types import SimpleNamespace
-
     from stagetrace.common.schedstat import GIL_WAIT_MARGIN_MS
     from stagetrace.exporter.signals import resolve_cpu
 
     def stage(start: bytes, end: bytes):
-        return SimpleNamespace(
-            cpu_start=start, cpu_end=end, start_ns=0, end_ns=50 * MS, wall_ms=50.0, compressed=None,
-            cpu_ms=None, runqueue_ms=None, blocked_ms=None, not_gil_ms=None,
-        )  # fmt: skip
+        st = wire.ShippedStage.added("parse", "cpu", 1, 2, 0, 50 * MS)
+        st.cpu_start, st.cpu_end = start, end
+        return st
 
     # 50 ms: 5 on-CPU, 5 in the run queue, 40 off-CPU in one stretch (two slices: start and after the wait)
     one_wait = stage(b"1000000000 2000000000 10\n", b"1005000000 2005000000 12\n")

@@ -3,7 +3,10 @@ verdict written to a span reads back the same (the exporter and ``stagetrace rep
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +15,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from stagetrace import conventions as c
-from stagetrace.analysis import Diagnosis, StageSample, Verdict
+from stagetrace.analysis import Diagnosis, StageSample, Verdict, stage_record
 from stagetrace.capture.light_spans import LightSpan
 from stagetrace.capture.records import Repeat, StageRecord, pack_stage_record
 from stagetrace.common import wire
@@ -28,7 +31,7 @@ def test_every_record_carries_every_stage_signal():
         assert field in sample_fields, field
         assert field in shipped, field
         # captured on the request thread, or derived in the exporter from the raw CPU readings
-        assert field in wire.STAGE_FIELDS or field in wire.DERIVED_STAGE_FIELDS, field
+        assert field in wire.STAGE_FIELDS or field in stage_record.DERIVED_STAGE_FIELDS, field
         assert field in wire.STAGE_FIELDS or not hasattr(StageRecord, field), field
     assert {f for f, _, _, _ in c.VERDICT_FIELDS} <= {f.name for f in dataclasses.fields(Verdict)}
 
@@ -85,7 +88,35 @@ def test_a_verdict_reads_back_as_written():
 
 
 def test_shipped_stage_types_every_wire_field_and_every_derived_one():
-    assert tuple(wire.ShippedStage.__annotations__) == wire.STAGE_FIELDS + wire.DERIVED_STAGE_FIELDS
+    fields = wire.STAGE_FIELDS + stage_record.DERIVED_STAGE_FIELDS
+    assert tuple(wire.ShippedStage.__annotations__) == fields
+    # the .pxd that makes it a C type where the exporter is compiled declares the same members
+    pxd = Path(stage_record.__file__).with_suffix(".pxd").read_text()
+    assert tuple(re.findall(r"^    cdef public object (\w+)$", pxd, re.M)) == fields
+
+
+def test_a_shipped_stage_assigns_its_fields_in_the_order_of_the_table():
+    """``ShippedStage.__init__`` writes its fields out (so that compiled, each is a store into the C type's
+    member): in the order of STAGE_FIELDS, every derived field set to None."""
+    tree = ast.parse(Path(stage_record.__file__).read_text())
+    init = next(
+        node
+        for cls in tree.body
+        if isinstance(cls, ast.ClassDef) and cls.name == "ShippedStage"
+        for node in cls.body
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__"
+    )
+    unpacked = next(s for s in init.body if isinstance(s, ast.Assign) and isinstance(s.targets[0], ast.Tuple)).targets[
+        0
+    ]
+    assert tuple(t.attr for t in unpacked.elts) == wire.STAGE_FIELDS
+    set_none = [
+        t.attr
+        for s in init.body
+        if isinstance(s, ast.Assign) and isinstance(s.value, ast.Constant) and s.value.value is None
+        for t in s.targets
+    ]
+    assert tuple(set_none) == stage_record.DERIVED_STAGE_FIELDS
 
 
 def _decode_stage() -> StageRecord:

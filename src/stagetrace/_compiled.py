@@ -31,6 +31,7 @@ COMPILED_MODULES = (
     "stagetrace.analysis.model",
     "stagetrace.analysis.offload",
     "stagetrace.analysis.signals",
+    "stagetrace.analysis.stage_record",
     "stagetrace.analysis.streams",
     "stagetrace.analysis.thresholds",
     "stagetrace.analysis.verdict",

@@ -121,7 +121,7 @@ def analyse_trace(
                 if kids and own > 0:
                     own -= union_length_ns([(max(a, start), min(b, end)) for a, b in kids])
             else:  # its real children lie inside its occurrences, which the interval does not bound
-                own = folded.sum_ns - sum(b - a for a, b in children.get(st.span_id, ()))
+                own = folded.sum_ns - sum([b - a for a, b in children.get(st.span_id, ())])
             if composites:
                 own -= folded_children.get(st.span_id, 0)
             ms = own / 1e6 if own > 0 else 0.0
@@ -137,8 +137,9 @@ def analyse_trace(
             kinds[name] = st.kind
 
     starts = list(first_start.values())
-    if starts != sorted(starts):  # not yet in pipeline order (first starts)
-        breakdown = dict(sorted(breakdown.items(), key=lambda kv: first_start[kv[0]]))
+    if starts != sorted(starts):  # not yet in pipeline order (first starts; ties as they came)
+        order = sorted([(first_start[name], i, name) for i, name in enumerate(breakdown)])
+        breakdown = {name: breakdown[name] for _, _, name in order}
     if composites:
         covered = _covered_with_composites(stages, clipped)
     else:

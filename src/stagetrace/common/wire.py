@@ -19,8 +19,7 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
-from stagetrace.analysis.model import BatchInfo, CompressedInfo, batch_info, compressed_info
-from stagetrace.analysis.offload import offload_fields
+from stagetrace.analysis.stage_record import STAGE_FIELDS, ShippedStage
 from stagetrace.analysis.streams import StreamFields, stream_fields
 from stagetrace.conventions import BATCH_INDEX, BATCH_ITEMS
 
@@ -41,30 +40,8 @@ LOG = "L"  # (LOG, level, message)
 ACK = "A"  # (ACK, records handled so far)
 
 # --- stages -------------------------------------------------------------------------------------------
-STAGE_FIELDS = (
-    "name",
-    "kind",
-    "span_id",
-    "parent_span_id",
-    "parent_stage_id",
-    "start_ns",
-    "end_ns",
-    "cpu_start",
-    "cpu_end",
-    "on_event_loop",
-    "error",
-    "attributes",
-    "gpu_ms",
-    "gpu_utilization",
-    "h2d_bytes",
-    "h2d_pinned",
-    "queue_saturated",
-    "batch",
-    "compressed",  # a composite of repeated occurrences: (count, summed ns, least ns, most ns); else None
-    "example",  # the slowest occurrence of a composite: exported, but its time is the composite's
-    "worker_pid",  # the stage ran in this pool worker process (offload.run's stages); None: in the application
-    "offload",  # a call handed to a process pool: analysis.offload.OffloadFields as a plain tuple; else None
-)
+# A stage crosses as the tuple of its STAGE_FIELDS and is read back as a ShippedStage: both defined with the
+# record the analysis reads (``analysis.stage_record``), re-exported here for both ends of the channel.
 
 
 def _function_from_source(source: str, name: str, namespace: dict[str, Any]) -> Any:
@@ -143,91 +120,6 @@ def link_flags(context: SpanContext) -> int:
     return (context.trace_flags & FLAGS_MASK) | (LINK_REMOTE if context.is_remote else 0)
 
 
-# What the exporter derives from a stage's raw CPU readings (``exporter.signals.resolve_cpu``).
-DERIVED_STAGE_FIELDS = ("cpu_ms", "runqueue_ms", "blocked_ms", "not_gil_ms", "others_runqueue_ms", "others_cpu_ms")
-
-
-class ShippedStage:
-    """A stage as the exporter sees it: the wire fields by name, plus what the exporter derives from them
-    (CPU figures from the raw clock readings). The analysis reads stages by these field names."""
-
-    __slots__ = (*STAGE_FIELDS, *DERIVED_STAGE_FIELDS)
-    # the STAGE_FIELDS, typed (tests/test_tables.py checks that the two lists agree)
-    name: str
-    kind: str
-    span_id: int
-    parent_span_id: int
-    parent_stage_id: int
-    start_ns: int
-    end_ns: int
-    cpu_start: Any
-    cpu_end: Any
-    on_event_loop: bool
-    error: tuple[str, str, str] | None
-    attributes: dict[str, Any] | None
-    gpu_ms: float | None
-    gpu_utilization: float | None
-    h2d_bytes: int | None
-    h2d_pinned: bool | None
-    queue_saturated: bool | None
-    batch: BatchInfo | None
-    compressed: CompressedInfo | None
-    example: bool
-    worker_pid: int | None
-    offload: Any  # OffloadFields as shipped; OffloadInfo once the exporter placed its children (exporter/offload.py)
-    # the DERIVED_STAGE_FIELDS, None until the exporter resolves them (exporter/signals.py)
-    cpu_ms: float | None
-    runqueue_ms: float | None
-    blocked_ms: float | None
-    not_gil_ms: float | None
-    others_runqueue_ms: float | None
-    others_cpu_ms: float | None
-
-    def __init__(self, fields: Sequence[Any]) -> None:
-        if type(fields) is not tuple and type(fields) is not list:  # (a dict would unpack its keys, read its values)
-            raise ValueError(f"a stage record is a tuple, not a {type(fields).__name__}")
-        if len(fields) != len(STAGE_FIELDS):
-            raise ValueError(f"a stage record has {len(STAGE_FIELDS)} fields, got {len(fields)}")
-        _assign_stage_fields(self, fields)  # and the derived fields None
-        # (checked on the record's own values: an item of it is cheaper to read than the attribute just set)
-        if not isinstance(fields[_NAME], str) or type(fields[_START]) is not int or type(fields[_END]) is not int:
-            raise ValueError("a stage record needs a str name and int times")
-        if fields[_BATCH] is not None:
-            self.batch = batch_info(fields[_BATCH])
-        if fields[_COMPRESSED] is not None:
-            self.compressed = compressed_info(fields[_COMPRESSED])
-        if fields[_OFFLOAD] is not None:
-            self.offload = offload_fields(fields[_OFFLOAD])
-        worker_pid, error = fields[_WORKER_PID], fields[_ERROR]
-        if worker_pid is not None and type(worker_pid) is not int:
-            raise ValueError("a stage record's worker pid must be an int")
-        if error is not None and not _is_error(error):
-            raise ValueError("a stage record's error must be (type, message, traceback) strings")
-
-    @classmethod
-    def added(cls, name: str, kind: str, span_id: int, parent_span_id: int, start_ns: int, end_ns: int) -> ShippedStage:
-        """A stage the exporter adds itself (an event-loop wait, another instrumentation's span read as a
-        stage): the fields it knows, the rest as a stage that measured nothing else."""
-        values: list[Any] = list(_ADDED_STAGE)
-        values[_NAME], values[_KIND], values[_SPAN_ID], values[_PARENT_SPAN_ID] = name, kind, span_id, parent_span_id
-        values[_START], values[_END] = start_ns, end_ns
-        return cls(values)
-
-    @property
-    def wall_ms(self) -> float:
-        """Its time on the wall; a composite's longest occurrence (what a rule about one stage reads)."""
-        if self.compressed is not None:
-            return self.compressed.max_ns / 1e6
-        return max(0, self.end_ns - self.start_ns) / 1e6
-
-    def __repr__(self) -> str:
-        return f"ShippedStage({self.name!r}, kind={self.kind!r})"
-
-
-def _is_error(value: Any) -> bool:
-    return type(value) is tuple and len(value) == 3 and all(type(part) is str for part in value)
-
-
 _SPAN_ID_FIELD, _EXAMPLE_FIELD = STAGE_FIELDS.index("span_id"), STAGE_FIELDS.index("example")
 
 
@@ -237,31 +129,6 @@ def as_example(packed_stage: tuple[Any, ...], span_id: int) -> tuple[Any, ...]:
     out = list(packed_stage)
     out[_SPAN_ID_FIELD], out[_EXAMPLE_FIELD] = span_id, True
     return tuple(out)
-
-
-def _stage_fields_assigner() -> Any:
-    """``(self.name, self.kind, ...) = fields`` in the order of ``STAGE_FIELDS``, the derived fields None,
-    compiled once from the table (as ``dataclasses`` writes ``__init__``): one tuple unpacking where a loop of
-    ``setattr`` was ~3x slower, the exporter's most frequent construction (every stage of every trace). It
-    runs in the interpreter even where the module is compiled: there a store to a slot is specialised to a
-    few instructions, where compiled code takes the generic attribute path."""
-    targets = ", ".join(f"self.{name}" for name in STAGE_FIELDS)
-    derived = " = ".join(f"self.{name}" for name in DERIVED_STAGE_FIELDS)
-    source = f"def assign(self, fields):\n    {targets}, = fields\n    {derived} = None\n"
-    return _function_from_source(source, "assign", {})
-
-
-_assign_stage_fields = _stage_fields_assigner()
-_NAME, _KIND, _SPAN_ID, _PARENT_SPAN_ID, _START, _END = (
-    STAGE_FIELDS.index(f) for f in ("name", "kind", "span_id", "parent_span_id", "start_ns", "end_ns")
-)
-_BATCH, _COMPRESSED, _OFFLOAD, _WORKER_PID, _ERROR = (
-    STAGE_FIELDS.index(f) for f in ("batch", "compressed", "offload", "worker_pid", "error")
-)
-# A stage with nothing measured: no parent stage, not on the event loop, every optional field unset.
-_ADDED_STAGE = tuple(
-    0 if f == "parent_stage_id" else False if f in ("on_event_loop", "example") else None for f in STAGE_FIELDS
-)
 
 
 class ShippedTrace(NamedTuple):
@@ -287,7 +154,7 @@ class ShippedTrace(NamedTuple):
 def _trace_message_builder() -> Callable[..., tuple[Any, ...]]:
     """``trace_message``: a TRACE message from its fields by name (``ShippedTrace``'s, as the sender has them:
     spans and stages still plain tuples), in the order ``ShippedTrace`` gives them; every field required.
-    Compiled once from the table (as ``_stage_fields_assigner``), keyword-only parameters in its order: the
+    Compiled once from the table (as ``pack_stage``), keyword-only parameters in its order: the
     helper thread's once-a-trace construction, where a ``**fields`` dict mapped back to a tuple took a third of
     the time of packing the trace's spans."""
     names = ", ".join(ShippedTrace._fields)

@@ -1,9 +1,11 @@
 # The C types of signals.py's locals where Cython compiles it (an augmenting .pxd: the .py stays the source and
 # the fallback), and the C-level calls it makes into other compiled modules: a window's bounds found by bisect
-# on the series' own lists, its samples summed and compared as C doubles, without a Python call between.
+# on the series' own lists, its samples summed and compared as C doubles, without a Python call between; a
+# stage's fields read and set as the members of its C type.
 import cython
 
 from stagetrace.common.decimals cimport round_to
+from stagetrace.analysis.stage_record cimport ShippedStage
 from stagetrace.common.schedstat cimport schedstat_delta
 
 
@@ -20,7 +22,7 @@ cdef class LagSeries:
 
 
 @cython.locals(wall_ms=cython.double, cpu_ms=cython.double, rq_ms=cython.double, blocked=cython.double)
-cpdef resolve_cpu(object stage, object gil_wait_bound_ms=*)
+cpdef resolve_cpu(ShippedStage stage, object gil_wait_bound_ms=*)
 
 @cython.locals(times=list, values=list, before=cython.Py_ssize_t, after=cython.Py_ssize_t, grew=cython.double)
 cpdef object cumulative_change(LagSeries series, object start_ns, object end_ns)
@@ -40,8 +42,9 @@ cpdef object sampler_mean_ms(LagSeries series, object start_ns, object end_ns, d
 @cython.locals(times=list, values=list, lo=cython.Py_ssize_t, hi=cython.Py_ssize_t, i=cython.Py_ssize_t)
 cpdef object max_loop_lag_ms(LagSeries series, object start_ns, object end_ns)
 
-cpdef resolve_others(object stage, LagSeries run_queue, LagSeries cpu, object offset_ns)
+cpdef resolve_others(ShippedStage stage, LagSeries run_queue, LagSeries cpu, object offset_ns)
 
+@cython.locals(stage=ShippedStage)
 cpdef resolve_stages(object stages, object series, object offset_ns, object gil_wait_bound_ms, object th)
 
 cpdef object trace_signals(object series, object start_ns, object end_ns, double period_s,
