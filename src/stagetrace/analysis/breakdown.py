@@ -33,12 +33,12 @@ def union_length_ns(intervals: Iterable[tuple[int, int]]) -> int:
         return 0
     total = 0
     cur_start, cur_end = ordered[0]
-    for s, e in ordered[1:]:
-        if s > cur_end:
+    for start, end in ordered[1:]:
+        if start > cur_end:
             total += cur_end - cur_start
-            cur_start, cur_end = s, e
-        elif e > cur_end:
-            cur_end = e
+            cur_start, cur_end = start, end
+        elif end > cur_end:
+            cur_end = end
     return total + cur_end - cur_start
 
 

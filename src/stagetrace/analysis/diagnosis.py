@@ -286,7 +286,7 @@ def event_loop_blocked(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: 
     measured within the request while the process was not starved of the GIL or of CPUs."""
     on_loop = [s for s in stages if s.on_event_loop and s.kind not in GPU_KINDS and s.wall_ms >= th.event_loop_stage_ms]
     own = max(on_loop, key=lambda s: s.wall_ms) if on_loop else None
-    wait_ms = sum(occurrences_ms(s) for s in stages if s.name == EVENT_LOOP_WAIT and s.kind == "wait")
+    wait_ms = sum([occurrences_ms(s) for s in stages if s.name == EVENT_LOOP_WAIT and s.kind == "wait"])
     # A wait with no stage named as its holder is blamed on the loop only where work on the loop's own thread
     # could have held it (the loop monitor did not measure, or measured the thread working): a loop its thread
     # could not run because it waited for the GIL or a CPU was starved, which no `def` or offload would fix.
@@ -819,20 +819,27 @@ def _available(stages: Sequence[StageLike], signals: TraceSignals, th: Diagnosis
         # trace of short stages skips all four, as most traces do.
         if kind == "cpu":
             if (s.blocked_ms is not None or s.runqueue_ms is not None) and s.wall_ms >= min_stage_ms:
-                have.add(Signal.STAGE_CPU)
+                have.add(_STAGE_CPU)
         elif kind == "wait":
-            have.add(Signal.WAIT_STAGE)
+            have.add(_WAIT_STAGE)
         elif kind == "h2d":
-            have.add(Signal.H2D_STAGE)
+            have.add(_H2D_STAGE)
         if s.batch is not None:
-            have.add(Signal.BATCH)
+            have.add(_BATCH)
         if s.offload is not None:
-            have.add(Signal.OFFLOAD)
+            have.add(_OFFLOAD)
     if signals.gpu_utilization is not None:
-        have.add(Signal.GPU_UTILIZATION)
+        have.add(_GPU_UTILIZATION)
     if signals.stream is not None:
-        have.add(Signal.STREAM)
+        have.add(_STREAM)
     return frozenset(have)
+
+
+# (bound once: a member read through its Enum class is a lookup through the metaclass, on every trace)
+_STAGE_CPU, _WAIT_STAGE, _H2D_STAGE, _BATCH, _OFFLOAD = (
+    Signal.STAGE_CPU, Signal.WAIT_STAGE, Signal.H2D_STAGE, Signal.BATCH, Signal.OFFLOAD
+)  # fmt: skip
+_GPU_UTILIZATION, _STREAM = Signal.GPU_UTILIZATION, Signal.STREAM
 
 
 def diagnose(
@@ -854,13 +861,19 @@ def diagnose(
     in_request = JudgedStages(kept, signals, thresholds)
     have = _available(in_request, signals, thresholds)
     found = []
-    for rule in RULES:
-        if not rule.requires <= have:
+    for code, check, advice, requires in _RULE_TABLE:
+        if requires and not requires <= have:
             continue
-        hit = rule.check(analysis, in_request, signals, thresholds)
+        hit = check(analysis, in_request, signals, thresholds)
         if hit is not None:
-            found.append(Diagnosis(rule.code, hit.message, rule.advice, hit.stage, hit.evidence))
+            message, stage, evidence = hit
+            found.append(Diagnosis(code, message, advice, stage, evidence))
     return tuple(found)
+
+
+# ``RULES`` as plain tuples, for ``diagnose``: every trace runs down the list, and a field of a rule read through
+# its frozen dataclass costs a generic attribute lookup (compiled, about a hundred instructions) each time.
+_RULE_TABLE = tuple((rule.code, rule.check, rule.advice, rule.requires) for rule in RULES)
 
 
 __all__ = [

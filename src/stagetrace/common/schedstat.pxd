@@ -1,5 +1,6 @@
 # The C types of schedstat.py's locals where Cython compiles it (an augmenting .pxd: the .py stays the source
-# and the fallback). A reading's fields are then read by a walk over its bytes in C integers.
+# and the fallback). A reading's fields are then read by a walk over its bytes' buffer in C integers, and
+# handed back as a C tuple: no bytes object, no int and no tuple made for them.
 import cython
 
 cdef bint _COMPILED
@@ -12,5 +13,6 @@ cpdef tuple schedstat_delta(object start, object end)
 
 
 @cython.locals(first=cython.longlong, second=cython.longlong, third=cython.longlong, value=cython.longlong,
-               digits=cython.int, field=cython.int, byte=cython.uchar, padded=bytes)
-cpdef tuple _fields_by_bytes(bytes reading)
+               digits=cython.int, field=cython.int, byte=cython.uchar, n=cython.Py_ssize_t,
+               i=cython.Py_ssize_t, data=cython.p_uchar)
+cpdef (long long, long long, long long) _fields_by_bytes(bytes reading)

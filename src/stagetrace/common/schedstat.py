@@ -65,8 +65,10 @@ def _fields_by_bytes(reading: bytes) -> tuple[int, int, int]:
     """``_fields_by_split`` by a walk over the bytes: slow in the interpreter, C arithmetic where compiled."""
     first = second = value = digits = field = 0
     third = -1
-    padded = reading + b"\n"  # a last field ends at whitespace too
-    for byte in padded:
+    n = len(reading)
+    data = reading  # (compiled: the bytes' own buffer, read without a bounds check or a Python int a byte)
+    for i in range(n + 1):
+        byte = data[i] if i < n else 32  # a last field ends at whitespace too (no padded copy to allocate)
         if 48 <= byte <= 57:  # an ASCII digit
             if digits == _MAX_DIGITS:
                 raise ValueError(f"a schedstat field is a count of at most {_MAX_DIGITS} digits")

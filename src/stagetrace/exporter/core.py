@@ -54,6 +54,20 @@ from stagetrace.settings import (
 )
 
 
+def _errored(root: wire.WireSpan, stages: Sequence[Any], others: Sequence[wire.WireSpan]) -> bool:
+    """Did the request fail: its root, a stage or another span of it (loops: compiled, a generator in
+    ``any()`` is an object and a resumption an item, on every trace)."""
+    if root.status_code == _ERROR:
+        return True
+    for st in stages:
+        if st.error:
+            return True
+    for span in others:  # noqa: SIM110 - a loop, as above
+        if span.status_code == _ERROR:
+            return True
+    return False
+
+
 def _delayed_requests(stages: Sequence[Any]) -> int | None:
     """The most other requests any of the trace's own stages held its event loop from (on the stages)."""
     counts = [a.get(c.DELAYED_REQUESTS) for st in stages if (a := st.attributes)]
@@ -235,7 +249,7 @@ class ExporterCore:
         self._resolve_cpu(stages, offset)
         foreign, others = split_foreign_stages(t.others, offset)
         if foreign:
-            link_enclosing_stages([*stages, *(st for st, _ in foreign)], [*others, *(span for _, span in foreign)])
+            link_enclosing_stages([*stages, *[st for st, _ in foreign]], [*others, *[span for _, span in foreign]])
         # A composite's slowest occurrence is exported as an example; its time is the composite's already.
         analysed = [st for st in stages if not st.example] + [st for st, _ in foreign]
         attrs = root.attributes
@@ -265,11 +279,7 @@ class ExporterCore:
             stream = summarise_stream(root_start - offset, t.stream, analysed, analysis.charged_ms)
             signals = signals._replace(stream=stream)
         judged = judge(analysis, signals.stream, self.settings.stream_thresholds_for(route) if t.stream else None)
-        errored = (
-            root.status_code == _ERROR
-            or any(st.error for st in analysed)
-            or any(o.status_code == _ERROR for o in others)
-        )
+        errored = _errored(root, analysed, others)
         share, sampled, now = self.settings.healthy_sample, bool(t.flags & 1), time.monotonic()
         # Diagnosed within the exporter's CPU budget; past it, a share (every trace the budget may keep among it).
         undiagnosed = decide_before_diagnosis(
@@ -324,7 +334,7 @@ class ExporterCore:
                 sp.stage_span(st, trace_id, offset, t.flags, t.state, marks if id(st) in late else None)
                 for st in stages
             ]
-            out.extend(as_stage_span(span, st.kind, marks if id(st) in late else None) for st, span in foreign)
+            out.extend([as_stage_span(span, st.kind, marks if id(st) in late else None) for st, span in foreign])
             out.extend(others)
             out.append(
                 sp.root_with_verdict(

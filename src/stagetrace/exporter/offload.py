@@ -21,7 +21,10 @@ from stagetrace.common.wire import ShippedStage
 
 def place_offloads(stages: Sequence[ShippedStage], new_span_id: Callable[[], int]) -> list[ShippedStage]:
     """``stages`` with each offload's children after it (once: a placed offload holds its ``OffloadInfo``)."""
-    if not any(type(st.offload) is OffloadFields for st in stages):
+    for st in stages:  # (a loop: compiled, a generator in any() is an object and a resumption a stage)
+        if type(st.offload) is OffloadFields:
+            break
+    else:
         return list(stages)
     out: list[ShippedStage] = []
     runs: dict[int, int | None] = {}

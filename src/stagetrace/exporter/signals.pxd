@@ -5,6 +5,7 @@
 import cython
 
 from stagetrace.common.decimals cimport round_to
+from stagetrace.analysis.causes cimport blocked_enough
 from stagetrace.analysis.stage_record cimport ShippedStage
 from stagetrace.common.schedstat cimport schedstat_delta
 

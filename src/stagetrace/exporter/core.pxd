@@ -1,0 +1,31 @@
+# The exporter's core as a C type where Cython compiles it (an augmenting .pxd: the .py stays the source and the
+# fallback): what it holds is read as C struct members in its per-trace methods (dozens of reads a trace,
+# each a dictionary lookup on an instance of a plain class), and stays readable from Python as before; the
+# methods a trace goes through call each other in C.
+
+cdef class ExporterCore:
+    cdef public object settings
+    cdef public object outputs
+    cdef public object _clocks
+    cdef public object _diagnosis_clock_ns
+    cdef public object metrics
+    cdef public object series
+    cdef public object loop_blocks
+    cdef public object _gil_wait_bound_ms
+    cdef public object decisions
+    cdef public object batches
+    cdef public object budget
+    cdef public object adjusted
+    cdef public object diagnosis_budget
+    cdef public object _new_span_id
+    cdef public object handled
+    cdef public object _slow_log
+    cdef public object _malformed_log
+    cdef public object _last_tick
+    cdef public object cpus
+    cdef public object _handlers
+
+    cpdef _export(self, object spans)
+    cpdef _analyse_and_export(self, object t)
+    cpdef _resolve_cpu(self, object stages, object offset)
+    cpdef object _signals(self, object start_ns, object end_ns, object gpu_utilization, tuple blocked_by=*)
