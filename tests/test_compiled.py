@@ -234,6 +234,43 @@ def test_the_compiled_exporter_and_the_sources_give_the_same_verdicts_field_by_f
     assert comparable_spans(compiled["spans"]) == comparable_spans(pure["spans"])
 
 
+def trace_message(trace_id: int, stages: list, root_end: int | None = None) -> tuple:
+    root_end = T0 + 100 * MS if root_end is None else root_end
+    root = wire.WireSpan("GET", trace_id, 1, 0, False, 2, T0, root_end, {}, (), (), 0, "", "s", "", 1, "", 0, 0, 0)
+    return wire.trace_message(
+        trace_id=trace_id, flags=1, state="", offset=0, dropped_stages=0, gpu_utilization=None, root=tuple(root),
+        stages=tuple(stages), others=(), loop_thread=0, worker_runs=(), task_created_ns=0, received_ms_ago=-1,
+        stream=None, gen_ai=None,
+    )  # fmt: skip
+
+
+@needs_build
+def test_times_past_what_a_clock_gives_are_malformed_on_both_paths_alike(tmp_path):
+    """The compiled breakdown reads times as C long longs: a stage's time, a root's or a composite's summed time
+    beyond 2**62 ns is refused as malformed when the trace is read, on the sources too, rather than failing
+    inside the compiled analysis (a trace lost without its verdict) while the sources judge it."""
+
+    def stage(start: int, end: int, compressed: tuple | None = None) -> tuple:
+        packed = list(wire.pack_stage(wire.ShippedStage.added("decode", "cpu", 2, 1, T0, T0)))
+        for field, value in (("start_ns", start), ("end_ns", end), ("compressed", compressed)):
+            packed[wire.STAGE_FIELDS.index(field)] = value
+        return tuple(packed)
+
+    fine = stage(T0 + MS, T0 + 9 * MS)
+    messages = [
+        trace_message(1, [fine]),
+        trace_message(2, [stage(T0 + MS, 1 << 63)]),
+        trace_message(3, [fine], root_end=1 << 63),
+        trace_message(4, [stage(T0 + MS, T0 + 9 * MS, compressed=(3, 1 << 63, 1, 2))]),
+        trace_message(5, [stage(T0 + MS, (1 << 62) - 1)]),  # within the bound: judged on both
+    ]
+    compiled = verdicts_of(messages, tmp_path, **{_compiled.EXPORTER_VARIABLE: "1"})
+    pure = verdicts_of(messages, tmp_path, **{_compiled.PURE_PYTHON_VARIABLE: "1"})
+    assert compiled["skipped"] == pure["skipped"] == 3
+    assert compiled["verdicts"] == pure["verdicts"] and len(pure["verdicts"]) == 5
+    assert [v.get("malformed") for v in pure["verdicts"]][1:4] == ["MalformedRecord"] * 3
+
+
 @needs_build
 @pytest.mark.slow
 def test_the_typed_modules_pass_their_own_tests_compiled():
