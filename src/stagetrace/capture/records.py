@@ -218,6 +218,7 @@ class Repeat:
         "error",
         "folded",
         "folding",
+        "is_wait",
         "kind",
         "max_ns",
         "min_ns",
@@ -252,8 +253,11 @@ class Repeat:
         self.error: tuple[str, str, str] | None = None
         self.batch: tuple[Any, ...] | None = None  # a folded batch wait's: its formation and busy time summed
         self.on_event_loop = False  # an occurrence ran sync on the event loop (EVENT_LOOP_BLOCKED reads it)
-        # The folded occurrences' shared flag, None once they differ (a wait's time then counts as queued).
+        # The folded occurrences' shared flag, None once they differ (a wait's time then counts as queued). Only
+        # a wait stage carries one (the integrations that record waits set it): any other folds without a read
+        # of it, which on a record that never set it is a lookup through its class.
         self.queue_saturated: bool | None = None
+        self.is_wait = self.kind == "wait"
 
     @property
     def compressed(self) -> tuple[int, int, int, int]:
@@ -273,6 +277,7 @@ class Repeat:
         self.batch = None
         self.on_event_loop = False
         self.queue_saturated = None
+        self.is_wait = kind == "wait"
         return self
 
     def fold(self, rec: StageRecord) -> None:
@@ -282,8 +287,10 @@ class Repeat:
         ns = end - start if end > start else 0
         self.folded += 1
         if self.folded == 1:
-            self.start_ns, self.min_ns, self.queue_saturated = start, ns, rec.queue_saturated
-        elif rec.queue_saturated is not self.queue_saturated:
+            self.start_ns, self.min_ns = start, ns
+            if self.is_wait:
+                self.queue_saturated = rec.queue_saturated
+        elif self.is_wait and rec.queue_saturated is not self.queue_saturated:
             self.queue_saturated = None
         self.sum_ns += ns
         if end > self.end_ns:
