@@ -102,13 +102,17 @@ def loop_waits(
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class Arrival:
+class Arrival(NamedTuple):
     """When a request reached its server (perf-counter ns), and, when only a bound is known of how long its
-    bytes waited before that, the bound."""
+    bytes waited before that, the bound. (A named tuple made through ``tuple.__new__``: the exporter makes one
+    for every trace served on an event loop, where a frozen dataclass's ``__init__`` and a named tuple's own
+    ``__new__`` are Python code.)"""
 
     start_ns: int
     bound_ns: int | None = None
+
+
+_new_arrival = tuple.__new__
 
 
 def request_arrival(
@@ -130,13 +134,14 @@ def request_arrival(
     others = [b for b in blocks if b.trace_id != trace_id and b.start_ns < task_created_ns]
     if received_ms_ago >= 0:
         received = task_created_ns - received_ms_ago * 1_000_000
-        if any(b.end_ns > received for b in others):
-            return Arrival(received)
-        return Arrival(task_created_ns)
+        for b in others:  # (a loop: compiled, a generator in any() is an object and a resumption a block)
+            if b.end_ns > received:
+                return _new_arrival(Arrival, (received, None))
+        return _new_arrival(Arrival, (task_created_ns, None))
     edge, earliest = task_created_ns, None
     for b in sorted(others, key=lambda b: -b.end_ns):
         if edge - b.end_ns > adjacent_ns:
             break
         earliest = b.start_ns if earliest is None else min(earliest, b.start_ns)
         edge = min(edge, b.start_ns)
-    return Arrival(task_created_ns, None if earliest is None else task_created_ns - earliest)
+    return _new_arrival(Arrival, (task_created_ns, None if earliest is None else task_created_ns - earliest))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from stagetrace.analysis.model import NS_BOUND, BatchInfo, CompressedInfo, batch_info, compressed_info
+from stagetrace.analysis.model import BatchInfo, CompressedInfo, batch_info, compressed_info
 from stagetrace.analysis.offload import offload_fields
 
 # A stage crosses the channel as the tuple of these fields, in this order (``common.wire``).
@@ -118,11 +118,8 @@ class ShippedStage:
         self.cpu_ms = self.runqueue_ms = self.blocked_ms = self.not_gil_ms = None
         self.others_runqueue_ms = self.others_cpu_ms = None
         # (checked on the record's own values: an item of it is cheaper to read than the attribute just set)
-        start, end = fields[_START], fields[_END]
-        if not isinstance(fields[_NAME], str) or type(start) is not int or type(end) is not int:
+        if not isinstance(fields[_NAME], str) or type(fields[_START]) is not int or type(fields[_END]) is not int:
             raise ValueError("a stage record needs a str name and int times")
-        if not (-NS_BOUND < start < NS_BOUND and -NS_BOUND < end < NS_BOUND):
-            raise ValueError("a stage record's times are ns of a clock, within 2**62 of its zero")
         if fields[_BATCH] is not None:
             self.batch = batch_info(fields[_BATCH])
         if fields[_COMPRESSED] is not None:

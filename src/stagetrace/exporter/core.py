@@ -423,10 +423,11 @@ class ExporterCore:
         arrival = request_arrival(
             t.task_created_ns, t.received_ms_ago, blocks, t.trace_id, adjacent_ns=ARRIVAL_ADJACENT_NS
         )
-        attributes = dict(root.attributes)
-        if arrival.bound_ns is not None:
-            attributes[c.LOOP_ARRIVAL_BOUND_MS] = round_to(arrival.bound_ns / 1e6, 3)
-        unchanged = wire.replace_span(root, attributes=attributes) if arrival.bound_ns is not None else root
+        # (the root's attributes copied only where something is added: most traces keep their root as it is)
+        attributes, bound = root.attributes, arrival.bound_ns
+        if bound is not None:
+            attributes = {**attributes, c.LOOP_ARRIVAL_BOUND_MS: round_to(bound / 1e6, 3)}
+        unchanged = root if bound is None else wire.replace_span(root, attributes=attributes)
         if framework_start - arrival.start_ns < ARRIVAL_WAIT_MIN_NS:
             return unchanged, None
         waits = loop_waits((arrival.start_ns, framework_start), (), blocks, t.trace_id)
@@ -447,8 +448,11 @@ class ExporterCore:
             framework_start,
         )
         before.attributes = {c.BLOCKED_BY: names} if names else None
-        attributes[c.ROOT_SHIFTED_MS] = round_to((framework_start - arrival.start_ns) / 1e6, 3)
-        attributes[c.ROOT_FRAMEWORK_START_NS] = root.start_ns
+        attributes = {
+            **attributes,
+            c.ROOT_SHIFTED_MS: round_to((framework_start - arrival.start_ns) / 1e6, 3),
+            c.ROOT_FRAMEWORK_START_NS: root.start_ns,
+        }
         return wire.replace_span(root, start_ns=arrival.start_ns + offset, attributes=attributes), before
 
     def _resolve_cpu(self, stages: Sequence[wire.ShippedStage], offset: int) -> None:
