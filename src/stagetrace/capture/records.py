@@ -218,7 +218,6 @@ class Repeat:
         "error",
         "folded",
         "folding",
-        "is_wait",
         "kind",
         "max_ns",
         "min_ns",
@@ -257,7 +256,6 @@ class Repeat:
         # a wait stage carries one (the integrations that record waits set it): any other folds without a read
         # of it, which on a record that never set it is a lookup through its class.
         self.queue_saturated: bool | None = None
-        self.is_wait = self.kind == "wait"
 
     @property
     def compressed(self) -> tuple[int, int, int, int]:
@@ -277,7 +275,6 @@ class Repeat:
         self.batch = None
         self.on_event_loop = False
         self.queue_saturated = None
-        self.is_wait = kind == "wait"
         return self
 
     def fold(self, rec: StageRecord) -> None:
@@ -288,9 +285,9 @@ class Repeat:
         self.folded += 1
         if self.folded == 1:
             self.start_ns, self.min_ns = start, ns
-            if self.is_wait:
+            if self.kind == "wait":
                 self.queue_saturated = rec.queue_saturated
-        elif self.is_wait and rec.queue_saturated is not self.queue_saturated:
+        elif self.kind == "wait" and rec.queue_saturated is not self.queue_saturated:
             self.queue_saturated = None
         self.sum_ns += ns
         if end > self.end_ns:

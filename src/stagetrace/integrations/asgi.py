@@ -21,11 +21,10 @@ from stagetrace.integrations.threads import OCCUPANCY, timed_wait
 THREADPOOL_WAIT_STAGE = "threadpool.wait"
 
 
-async def _on_worker(run: Any, min_ns: int | None, func: Any, *args: Any, **kwargs: Any) -> Any:
-    """``run(func, *args, **kwargs)`` on anyio's default thread pool, its wait for a worker a
-    ``threadpool.wait`` stage that says whether every token was spoken for when it asked: a wait behind a
-    full pool is QUEUEING, a wait for a free worker to get a CPU (a busy host) is not."""
-    limiter = _default_limiter()
+async def _on_worker(run: Any, limiter: Any, min_ns: int | None, func: Any, *args: Any, **kwargs: Any) -> Any:
+    """``run(func, *args, **kwargs)`` on anyio's default thread pool (``limiter``, None where it cannot be
+    read), its wait for a worker a ``threadpool.wait`` stage that says whether every token was spoken for when
+    it asked: a wait behind a full pool is QUEUEING, a wait for a free worker to get a CPU (a busy host) is not."""
     if limiter is None:
         return await run(timed_wait(func, THREADPOOL_WAIT_STAGE, None, min_ns), *args, **kwargs)
     saturated = _limiter_saturated(limiter, OCCUPANCY.enter(limiter))
@@ -41,7 +40,7 @@ def _make_run_in_threadpool(original: Any) -> Any:
     async def run_in_threadpool(func: Any, *args: Any, **kwargs: Any) -> Any:
         if _state.runtime is None:
             return await original(func, *args, **kwargs)
-        return await _on_worker(original, None, func, *args, **kwargs)
+        return await _on_worker(original, _default_limiter(), None, func, *args, **kwargs)
 
     return run_in_threadpool
 
@@ -140,9 +139,10 @@ def _make_iterate_in_threadpool(original: Any) -> Any:
         import anyio.to_thread
 
         as_iterator = iter(iterator)
+        run, limiter = anyio.to_thread.run_sync, _default_limiter()  # (the loop's: once a stream, not a chunk)
         while True:
             try:  # every hop, however short, is a stage: they fold
-                yield await _on_worker(anyio.to_thread.run_sync, 0, _next_or_stop, as_iterator)
+                yield await _on_worker(run, limiter, 0, _next_or_stop, as_iterator)
             except _Exhausted:
                 break
 
