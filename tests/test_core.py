@@ -363,3 +363,12 @@ def test_latency_histograms_carry_exemplars_pointing_at_the_trace(harness):
     assert {e.trace_id for e in trace_point.exemplars} == {root.context.trace_id}
     (stage_point,) = points[c.METRIC_STAGE_DURATION]  # the bottleneck stage
     assert {e.trace_id for e in stage_point.exemplars} == {root.context.trace_id}
+
+
+def test_a_verdicts_trace_id_is_formatted_as_opentelemetry_formats_it():
+    """The exporter formats a trace id with ``%`` where OpenTelemetry's ``format_trace_id`` calls ``format``:
+    the same string for any int, ids past 128 bits and negative ones included."""
+    from stagetrace.exporter.core import format_trace_id as ours
+
+    for trace_id in (0, 1, 0xABC, 2**64 + 7, 2**128 - 1, 2**128 + 3, -5, 195183392535125720877340007460409715101):
+        assert ours(trace_id) == trace.format_trace_id(trace_id), trace_id

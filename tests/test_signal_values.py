@@ -130,10 +130,24 @@ def test_a_thread_cpu_clock_gives_on_cpu_time_and_leaves_the_run_queue_inside_bl
 def test_a_composite_is_blocked_against_its_longest_occurrence():
     """A composite stage's wall is its longest occurrence (ShippedStage.wall_ms), not first start to last end."""
     st = stage(40 * MS, schedstat(0, 0, 1), schedstat(5 * MS, 1 * MS, 4))
-    st.compressed = CompressedInfo(occurrences=3, sum_ns=30 * MS, min_ns=6 * MS, max_ns=12 * MS)
+    st.fold(CompressedInfo(occurrences=3, sum_ns=30 * MS, min_ns=6 * MS, max_ns=12 * MS))
+    assert st.wall_ms == 12.0
     resolve_cpu(st, None)
     # 12 - 5 - 1 = 6 (the 40 ms span would give 34)
     assert figures(st) == (5.0, 1.0, 6.0, None)
+
+
+def test_a_stages_wall_time_is_set_once_from_its_times_or_its_longest_occurrence():
+    """``ShippedStage.wall_ms`` is kept, not computed at each read: from its times (0 where they run backwards),
+    a composite's longest occurrence as it arrives from the wire, and again when the exporter folds one."""
+    assert stage(1_234_567, None, None).wall_ms == 1.234567
+    assert wire.ShippedStage.added("parse", "cpu", 1, 2, 50 * MS, 40 * MS).wall_ms == 0.0
+    shipped: list[Any] = [None] * len(wire.STAGE_FIELDS)
+    for name, value in {"name": "parse", "kind": "cpu", "span_id": 1, "parent_span_id": 2, "parent_stage_id": 0,
+                        "start_ns": 0, "end_ns": 100 * MS, "on_event_loop": False, "example": False,
+                        "compressed": (4, 40 * MS, 5 * MS, 15 * MS)}.items():  # fmt: skip
+        shipped[wire.STAGE_FIELDS.index(name)] = value
+    assert wire.ShippedStage(tuple(shipped)).wall_ms == 15.0
 
 
 def test_readings_that_do_not_make_a_pair_give_no_figures():
@@ -527,3 +541,53 @@ def test_the_compiled_schedstat_reads_by_its_walk_and_as_the_sources_do():
     from stagetrace.common.schedstat import schedstat_delta
 
     assert run.stdout.strip() == repr([result(a, b) for a in readings for b in readings])
+
+
+def test_a_series_skips_samples_whose_time_is_outside_what_an_int64_holds():
+    """A series' times are what OTLP's timestamps hold, [0, 2**63): a sample outside is malformed and skipped,
+    by both of ``extend_flat``'s ways (the checked one and the one that appends a whole message at once)."""
+    from stagetrace.exporter.signals import TIME_END_NS, LagSeries
+
+    checked = LagSeries()
+    checked.extend_flat([-1, 1.0, 5, 2.0, TIME_END_NS, 3.0, 7, 4.0])  # out of range: the pair-at-a-time way
+    assert (checked.times, checked.values) == ([5, 7], [2.0, 4.0])
+    whole = LagSeries()
+    whole.extend_flat([5, 1.0, TIME_END_NS - 1, 2.0])
+    whole.extend_flat([TIME_END_NS - 1, 3.0, TIME_END_NS, 4.0])  # sorted, exact types: the last one still out
+    assert (whole.times, whole.values) == ([5, TIME_END_NS - 1, TIME_END_NS - 1], [1.0, 2.0, 3.0])
+
+
+# Window bounds past either end of what a series' times hold (a trace's own times are not bounded), and a few
+# in between: what a search must answer as bisect does.
+_EDGE_BOUNDS = [-(2**70), -1, 0, 1, 2**62, 2**63 - 1, 2**63, 2**64 + 5, 10**30]
+
+
+@pytest.mark.skipif(
+    "stagetrace.exporter.signals" not in _compiled.compiled_available() or _compiled.pure_python_forced(),
+    reason="the exporter's modules are not compiled on this install, or STAGETRACE_PURE_PYTHON=1",
+)
+def test_the_compiled_window_search_gallops_to_what_bisect_finds():
+    """Compiled, ``index_left``/``index_right`` are a C walk back from the series' end and a bisect (no call of
+    the stdlib's): the same index as bisect for every bound, duplicates, an empty series and past either end."""
+    script = (
+        "import random\n"
+        "from bisect import bisect_left, bisect_right\n"
+        "from stagetrace.exporter import signals\n"
+        "assert not signals.__file__.endswith('.py'), signals.__file__\n"
+        "rng = random.Random(7)\n"
+        f"edges = {_EDGE_BOUNDS!r}\n"
+        "wrong = []\n"
+        "for n in list(range(12)) + [100, 1000]:\n"
+        "    for _ in range(40):\n"
+        "        base = rng.choice([0, 1_796_000_000_000_000_000, 2**63 - 10**6])\n"
+        "        times = sorted(base + rng.randrange(0, 50) * 1000 for _ in range(n))\n"
+        "        bounds = edges + [t + d for t in times[:5] + times[-5:] for d in (-1, 0, 1)]\n"
+        "        for at in bounds:\n"
+        "            got = (signals.index_left(times, at), signals.index_right(times, at))\n"
+        "            if got != (bisect_left(times, at), bisect_right(times, at)):\n"
+        "                wrong.append((n, at, got))\n"
+        "print(len(wrong), wrong[:3])\n"
+    )
+    run = in_compiled_exporter(["-c", script])
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.strip() == "0 []"

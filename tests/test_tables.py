@@ -89,10 +89,11 @@ def test_a_verdict_reads_back_as_written():
 
 def test_shipped_stage_types_every_wire_field_and_every_derived_one():
     fields = wire.STAGE_FIELDS + stage_record.DERIVED_STAGE_FIELDS
-    assert tuple(wire.ShippedStage.__annotations__) == fields
+    assert tuple(wire.ShippedStage.__annotations__) == (*fields, "wall_ms")
     # the .pxd that makes it a C type where the exporter is compiled declares the same members
     pxd = Path(stage_record.__file__).with_suffix(".pxd").read_text()
     assert tuple(re.findall(r"^    cdef public object (\w+)$", pxd, re.M)) == fields
+    assert re.findall(r"^    cdef public double (\w+)$", pxd, re.M) == ["wall_ms"]
 
 
 def test_a_shipped_stage_assigns_its_fields_in_the_order_of_the_table():

@@ -151,3 +151,24 @@ def test_invariants_hold_for_any_trace(trace, threshold):
             assert a.breakdown[a.bottleneck] == largest
     else:
         assert a.bottleneck is None
+
+
+def test_union_length_takes_intervals_in_any_order_and_of_any_sequence_type():
+    """Sorted only where they are not in order of start already: the same length either way."""
+    ordered = [(0, 10), (5, 15), (20, 30), (25, 26)]
+    assert union_length_ns(ordered) == union_length_ns(ordered[::-1]) == 25
+    assert union_length_ns([[20, 30], [0, 10], [5, 15]]) == 25
+    assert union_length_ns(iv for iv in [(3, 4), (0, 1)]) == 2
+
+
+def test_stages_out_of_order_of_start_still_give_the_breakdown_in_pipeline_order():
+    """The breakdown is ordered by each name's first start, however the stages arrive: in order of start (read
+    as they come), or not (sorted, ties as they came)."""
+    in_order = [s("decode", 0, 10), s("infer", 10, 30), s("decode", 30, 35), s("json", 35, 40)]
+    shuffled = [in_order[2], in_order[3], in_order[1], in_order[0]]
+    for stages in (in_order, shuffled):
+        a = analyse_trace(0, 50 * MS, stages, 200)
+        assert list(a.breakdown) == ["decode", "infer", "json"]
+        assert a.breakdown == {"decode": 15, "infer": 20, "json": 5}
+    tie = analyse_trace(0, 50 * MS, [s("b", 5, 10), s("a", 0, 5), s("c", 0, 3)], 200)
+    assert list(tie.breakdown) == ["a", "c", "b"]  # a and c start together: as they came

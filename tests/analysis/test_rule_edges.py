@@ -203,27 +203,43 @@ def test_the_verdict_carries_its_trace_and_signals():
     assert (bare.gpu_utilization, bare.gil_pressure_ms, bare.loop_lag_ms) == (None, None, None)
 
 
-def test_a_verdict_built_through_its_slots_is_the_frozen_dataclass_with_every_field_set():
-    """build_verdict fills the slots directly (analysis/verdict.py, _new_verdict): every field set, the class's
-    own equality and frozenness intact; a field misnamed or left out fails at once."""
+def test_a_verdict_built_as_one_dict_is_the_frozen_dataclass_with_every_field_set():
+    """build_verdict sets a verdict's fields as one dict (analysis/verdict.py): exactly the dataclass's fields,
+    in their order (a field left out, misnamed or added fails here), the class's own equality, hash, frozenness
+    and pickling intact, on both paths (tests/test_compiled.py runs the compiled one against the same traces)."""
     import dataclasses
+    import pickle
 
     from stagetrace.analysis import Verdict
-    from stagetrace.analysis.verdict import _new_verdict
 
     a = analysis(10.0, {"a": 6.0}, untracked_ms=4.0, kinds={"a": "cpu"})
     v = build_verdict(trace_id="abc", root_name="r", analysis=a, diagnoses=(), route="/x")
-    fields = {f.name: getattr(v, f.name) for f in dataclasses.fields(Verdict)}  # every slot readable
+    assert list(vars(v)) == [f.name for f in dataclasses.fields(Verdict)]
+    fields = {f.name: getattr(v, f.name) for f in dataclasses.fields(Verdict)}
     assert v == Verdict(**fields) and type(v) is Verdict
     assert (v.total_ms, v.untracked_ms, v.route, v.process_cpus, v.stage_kinds) == (10.0, 4.0, "/x", None, {"a": "cpu"})
     with pytest.raises(dataclasses.FrozenInstanceError):
         v.route = "/y"  # type: ignore[misc]
-    missing = dict(fields)
-    del missing["route"]
-    with pytest.raises(TypeError, match="route"):
-        _new_verdict(**missing)
-    with pytest.raises(TypeError, match="rout"):
-        _new_verdict(**fields, rout="/x")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        v.__dict__ = {}  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(v)) == v
+    assert dataclasses.replace(v, route="/y").route == "/y" and v.route == "/x"
+
+
+def test_a_diagnosis_found_by_the_rules_is_the_frozen_dataclass_with_every_field_set():
+    """diagnose sets a diagnosis's fields as one dict (analysis/diagnosis.py): exactly its fields, in order."""
+    import dataclasses
+    import pickle
+
+    from stagetrace.analysis import Diagnosis, diagnose
+
+    a = analysis(100.0, {"a": 5.0}, untracked_ms=95.0, kinds={"a": "cpu"})
+    (found,) = [d for d in diagnose(a, [cpu("a", 0, 5)]) if d.code == "UNTRACKED_TIME"]
+    assert list(vars(found)) == [f.name for f in dataclasses.fields(Diagnosis)]
+    assert found == Diagnosis(**vars(found)) and type(found) is Diagnosis
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        found.code = "X"  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(found)) == found
 
 
 def test_a_shipped_batch_field_must_be_a_tuple_of_six_to_ten_values():

@@ -10,3 +10,7 @@ from stagetrace.analysis.stage_record cimport ShippedStage
 @cython.locals(st=ShippedStage, composites=cython.bint)
 cpdef object analyse_trace(object root_start_ns, object root_end_ns, object stages, object slow_threshold_ms,
                            bint untracked_headline=*)
+
+
+@cython.locals(ordered=list, n=cython.Py_ssize_t, i=cython.Py_ssize_t)
+cpdef object union_length_ns(object intervals)

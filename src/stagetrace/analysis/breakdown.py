@@ -28,12 +28,20 @@ class TraceAnalysis(NamedTuple):
 
 def union_length_ns(intervals: Iterable[tuple[int, int]]) -> int:
     """Length covered by the union of half-open intervals; empty or reversed intervals count as zero."""
-    ordered = sorted([(s, e) for s, e in intervals if e > s])  # (a list: a generator costs more, compiled)
-    if not ordered:
+    ordered = [iv for iv in intervals if iv[1] > iv[0]]  # (a list: a generator costs more, compiled)
+    n = len(ordered)
+    if not n:
         return 0
+    # Sorted only where they are not in order of start already (a trace's stages nearly always are): a sort
+    # compares tuples, an equality test and an ordering a pair.
+    for i in range(1, n):
+        if ordered[i][0] < ordered[i - 1][0]:
+            ordered.sort()
+            break
     total = 0
     cur_start, cur_end = ordered[0]
-    for start, end in ordered[1:]:
+    for i in range(1, n):
+        start, end = ordered[i]
         if start > cur_end:
             total += cur_end - cur_start
             cur_start, cur_end = start, end
@@ -102,9 +110,11 @@ def analyse_trace(
                 siblings.append(iv)
 
     breakdown: dict[str, float] = {}
-    first_start: dict[str, int] = {}
     kinds: dict[str, str] = {}
     charged: list[float | None] = []
+    # Stages nearly always come in order of start: then the order names first appear in is pipeline order,
+    # and no name's first start need be kept (checked as they come; the rare other case is sorted below).
+    in_order, previous_start = True, None
     for st, maybe_iv in zip(stages, clipped):
         if maybe_iv is None:
             charged.append(None)
@@ -127,19 +137,16 @@ def analyse_trace(
             ms = own / 1e6 if own > 0 else 0.0
         charged.append(ms)
         name = st.name
+        if previous_start is not None and st.start_ns < previous_start:
+            in_order = False
+        previous_start = st.start_ns
         if name in breakdown:
             breakdown[name] += ms
-            if st.start_ns < first_start[name]:
-                first_start[name] = st.start_ns
         else:
             breakdown[name] = ms
-            first_start[name] = st.start_ns
             kinds[name] = st.kind
-
-    starts = list(first_start.values())
-    if starts != sorted(starts):  # not yet in pipeline order (first starts; ties as they came)
-        order = sorted([(first_start[name], i, name) for i, name in enumerate(breakdown)])
-        breakdown = {name: breakdown[name] for _, _, name in order}
+    if not in_order:
+        breakdown = _in_pipeline_order(breakdown, stages, clipped)
     if composites:
         covered = _covered_with_composites(stages, clipped)
     else:
@@ -164,6 +171,21 @@ def analyse_trace(
 
 
 _new_analysis = tuple.__new__
+
+
+def _in_pipeline_order(
+    breakdown: dict[str, float], stages: Sequence[StageLike], clipped: Sequence[tuple[int, int] | None]
+) -> dict[str, float]:
+    """The breakdown ordered by each name's first start (ties as they came), for stages not in order of start."""
+    first_start: dict[str, int] = {}
+    for st, iv in zip(stages, clipped):
+        if iv is not None and (st.name not in first_start or st.start_ns < first_start[st.name]):
+            first_start[st.name] = st.start_ns
+    starts = list(first_start.values())
+    if starts == sorted(starts):
+        return breakdown
+    order = sorted([(first_start[name], i, name) for i, name in enumerate(breakdown)])
+    return {name: breakdown[name] for _, _, name in order}
 
 
 def _covered_with_composites(stages: Sequence[StageLike], clipped: Sequence[tuple[int, int] | None]) -> int:

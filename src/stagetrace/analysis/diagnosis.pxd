@@ -6,5 +6,13 @@ import cython
 from stagetrace.analysis.stage_record cimport ShippedStage
 
 
-@cython.locals(s=ShippedStage)
-cpdef frozenset _available(object stages, object signals, object th)
+@cython.locals(s=ShippedStage, have=cython.long)
+cpdef long _available(object stages, object signals, object th) except? -1
+
+
+@cython.locals(have=cython.long, requires=cython.long)
+cpdef tuple diagnose(object analysis, object stages, object signals=*, object thresholds=*)
+
+
+@cython.locals(s=ShippedStage, own=ShippedStage)
+cpdef object event_loop_blocked(object a, object stages, object sig, object th)

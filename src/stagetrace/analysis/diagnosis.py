@@ -42,10 +42,13 @@ from stagetrace.analysis.thresholds import DiagnosisThresholds
 from stagetrace.conventions import EVENT_LOOP_WAIT, GPU_KINDS
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Diagnosis:
     """``message``: the finding, in a sentence; ``evidence``: the measurements that decided the cause, where
-    a rule has more to say than its finding (kept apart so that neither reads as one long sentence)."""
+    a rule has more to say than its finding (kept apart so that neither reads as one long sentence).
+
+    ``diagnose`` sets its fields as one dict (no slots, so that it can): a frozen dataclass's ``__init__``
+    sets each through ``object.__setattr__`` in interpreted code, on every trace a rule fires for."""
 
     code: str
     message: str
@@ -284,9 +287,17 @@ def event_loop_blocked(a: TraceAnalysis, stages: Stages, sig: TraceSignals, th: 
     """The request held its loop (a long sync stage of its own), or waited for it while other requests'
     sync stages held it (the ``event_loop.wait`` stage), whichever took longer; else a stall of the loop
     measured within the request while the process was not starved of the GIL or of CPUs."""
-    on_loop = [s for s in stages if s.on_event_loop and s.kind not in GPU_KINDS and s.wall_ms >= th.event_loop_stage_ms]
-    own = max(on_loop, key=lambda s: s.wall_ms) if on_loop else None
-    wait_ms = sum([occurrences_ms(s) for s in stages if s.name == EVENT_LOOP_WAIT and s.kind == "wait"])
+    # One pass (compiled, a stage's fields are C members here: diagnosis.pxd): the longest sync stage of its own
+    # on the loop (the first of the longest, as max() gives it), and its waits for the loop.
+    own = None
+    wait_ms = 0.0
+    stage_ms = th.event_loop_stage_ms
+    for s in stages:
+        on_loop = s.on_event_loop and s.kind not in GPU_KINDS and s.wall_ms >= stage_ms
+        if on_loop and (own is None or s.wall_ms > own.wall_ms):
+            own = s
+        if s.kind == "wait" and s.name == EVENT_LOOP_WAIT:
+            wait_ms += occurrences_ms(s)
     # A wait with no stage named as its holder is blamed on the loop only where work on the loop's own thread
     # could have held it (the loop monitor did not measure, or measured the thread working): a loop its thread
     # could not run because it waited for the GIL or a CPU was starved, which no `def` or offload would fix.
@@ -809,9 +820,11 @@ UNDETERMINED_BETWEEN: Mapping[str, tuple[str, ...]] = {
 }
 
 
-def _available(stages: Sequence[StageLike], signals: TraceSignals, th: DiagnosisThresholds) -> frozenset[Signal]:
-    """What the trace carries of what the rules require, in one pass over its stages."""
-    have = set()
+def _available(stages: Sequence[StageLike], signals: TraceSignals, th: DiagnosisThresholds) -> int:
+    """What the trace carries of what the rules require, in one pass over its stages, as a mask of ``_BITS``
+    (a rule runs where its own mask is inside it: two integer operations a rule, where sets were a subset
+    test and a frozenset a trace)."""
+    have = 0
     min_stage_ms = th.min_stage_ms
     for s in stages:
         kind = s.kind
@@ -819,27 +832,38 @@ def _available(stages: Sequence[StageLike], signals: TraceSignals, th: Diagnosis
         # trace of short stages skips all four, as most traces do.
         if kind == "cpu":
             if (s.blocked_ms is not None or s.runqueue_ms is not None) and s.wall_ms >= min_stage_ms:
-                have.add(_STAGE_CPU)
+                have |= _STAGE_CPU
         elif kind == "wait":
-            have.add(_WAIT_STAGE)
+            have |= _WAIT_STAGE
         elif kind == "h2d":
-            have.add(_H2D_STAGE)
+            have |= _H2D_STAGE
         if s.batch is not None:
-            have.add(_BATCH)
+            have |= _BATCH
         if s.offload is not None:
-            have.add(_OFFLOAD)
+            have |= _OFFLOAD
     if signals.gpu_utilization is not None:
-        have.add(_GPU_UTILIZATION)
+        have |= _GPU_UTILIZATION
     if signals.stream is not None:
-        have.add(_STREAM)
-    return frozenset(have)
+        have |= _STREAM
+    return have
 
 
-# (bound once: a member read through its Enum class is a lookup through the metaclass, on every trace)
+# Each Signal's bit in a mask of them, and a set of them as its mask.
+_BITS = {signal: 1 << i for i, signal in enumerate(Signal)}
+
+
+def _mask(signals: frozenset[Signal]) -> int:
+    mask = 0
+    for signal in signals:
+        mask |= _BITS[signal]
+    return mask
+
+
 _STAGE_CPU, _WAIT_STAGE, _H2D_STAGE, _BATCH, _OFFLOAD = (
-    Signal.STAGE_CPU, Signal.WAIT_STAGE, Signal.H2D_STAGE, Signal.BATCH, Signal.OFFLOAD
+    _BITS[Signal.STAGE_CPU], _BITS[Signal.WAIT_STAGE], _BITS[Signal.H2D_STAGE], _BITS[Signal.BATCH],
+    _BITS[Signal.OFFLOAD],
 )  # fmt: skip
-_GPU_UTILIZATION, _STREAM = Signal.GPU_UTILIZATION, Signal.STREAM
+_GPU_UTILIZATION, _STREAM = _BITS[Signal.GPU_UTILIZATION], _BITS[Signal.STREAM]
 
 
 def diagnose(
@@ -862,18 +886,24 @@ def diagnose(
     have = _available(in_request, signals, thresholds)
     found = []
     for code, check, advice, requires in _RULE_TABLE:
-        if requires and not requires <= have:
+        if requires & ~have:  # it requires what the trace lacks
             continue
         hit = check(analysis, in_request, signals, thresholds)
         if hit is not None:
             message, stage, evidence = hit
-            found.append(Diagnosis(code, message, advice, stage, evidence))
+            diagnosis: Diagnosis = _NEW(Diagnosis)
+            fields = {"code": code, "message": message, "advice": advice, "stage": stage, "evidence": evidence}
+            _SET(diagnosis, "__dict__", fields)  # (every field, in order: tests/analysis/test_rule_edges.py)
+            found.append(diagnosis)
     return tuple(found)
 
 
+_NEW, _SET = object.__new__, object.__setattr__
+
 # ``RULES`` as plain tuples, for ``diagnose``: every trace runs down the list, and a field of a rule read through
-# its frozen dataclass costs a generic attribute lookup (compiled, about a hundred instructions) each time.
-_RULE_TABLE = tuple((rule.code, rule.check, rule.advice, rule.requires) for rule in RULES)
+# its frozen dataclass costs a generic attribute lookup (compiled, about a hundred instructions) each time. What
+# a rule requires, as a mask of ``_BITS``.
+_RULE_TABLE = tuple((rule.code, rule.check, rule.advice, _mask(rule.requires)) for rule in RULES)
 
 
 __all__ = [

@@ -172,7 +172,7 @@ class OffloadedCall(NamedTuple):
 def offload_calls(stages: Sequence[Any]) -> list[OffloadedCall]:
     """The trace's offload stages with their children's times (a stage has ``offload``, its children name it
     as their parent stage)."""
-    calls = [st for st in stages if isinstance(st.offload, OffloadInfo)]
+    calls = [st for st in stages if st.offload is not None and isinstance(st.offload, OffloadInfo)]
     if not calls:
         return []
     children: dict[int, dict[str, float]] = {st.span_id: {} for st in calls}

@@ -1,7 +1,8 @@
 # The stage record as a C type where Cython compiles the exporter (an augmenting .pxd: the .py stays the source
 # and the fallback). Its fields are C struct members: stored by its compiled __init__, read as members by the
 # compiled modules that declare a stage as one (``cimport`` this type), through a property-like descriptor by
-# everything else. Every field is an object: the values the wire carries (None where unset), unchanged.
+# everything else. Every field is an object: the values the wire carries (None where unset), unchanged; but for
+# its wall time, a C double.
 
 cdef class ShippedStage:
     cdef public object name
@@ -32,3 +33,4 @@ cdef class ShippedStage:
     cdef public object not_gil_ms
     cdef public object others_runqueue_ms
     cdef public object others_cpu_ms
+    cdef public double wall_ms

@@ -50,7 +50,7 @@ class ShippedStage:
     """A stage as the exporter sees it: the wire fields by name, plus what the exporter derives from them
     (CPU figures from the raw clock readings). The analysis reads stages by these field names."""
 
-    __slots__ = (*STAGE_FIELDS, *DERIVED_STAGE_FIELDS)
+    __slots__ = (*STAGE_FIELDS, *DERIVED_STAGE_FIELDS, "wall_ms")
     # the STAGE_FIELDS, typed (tests/test_tables.py checks that the two lists agree)
     name: str
     kind: str
@@ -81,6 +81,9 @@ class ShippedStage:
     not_gil_ms: float | None
     others_runqueue_ms: float | None
     others_cpu_ms: float | None
+    # Its time on the wall, a composite's longest occurrence (what a rule about one stage reads): set once, where
+    # a property ran its arithmetic at every read (about twenty a trace); ``fold`` keeps it true for a composite.
+    wall_ms: float
 
     def __init__(self, fields: Sequence[Any]) -> None:
         if type(fields) is not tuple and type(fields) is not list:  # (a dict would unpack its keys, read its values)
@@ -117,19 +120,24 @@ class ShippedStage:
         ) = fields
         self.cpu_ms = self.runqueue_ms = self.blocked_ms = self.not_gil_ms = None
         self.others_runqueue_ms = self.others_cpu_ms = None
-        # (checked on the record's own values: an item of it is cheaper to read than the attribute just set)
-        if not isinstance(fields[_NAME], str) or type(fields[_START]) is not int or type(fields[_END]) is not int:
+        # (checked on the fields just set: compiled, each is a C member read, where an item of the record is a
+        # module global's index and a generic subscript)
+        if not isinstance(self.name, str) or type(self.start_ns) is not int or type(self.end_ns) is not int:
             raise ValueError("a stage record needs a str name and int times")
-        if fields[_BATCH] is not None:
-            self.batch = batch_info(fields[_BATCH])
-        if fields[_COMPRESSED] is not None:
-            self.compressed = compressed_info(fields[_COMPRESSED])
-        if fields[_OFFLOAD] is not None:
-            self.offload = offload_fields(fields[_OFFLOAD])
-        worker_pid, error = fields[_WORKER_PID], fields[_ERROR]
-        if worker_pid is not None and type(worker_pid) is not int:
+        if self.batch is not None:
+            self.batch = batch_info(self.batch)
+        if self.compressed is not None:
+            folded = compressed_info(self.compressed)
+            self.compressed = folded
+            self.wall_ms = folded.max_ns / 1e6 if folded is not None else 0.0
+        else:
+            wall_ns = self.end_ns - self.start_ns
+            self.wall_ms = wall_ns / 1e6 if wall_ns > 0 else 0.0
+        if self.offload is not None:
+            self.offload = offload_fields(self.offload)
+        if self.worker_pid is not None and type(self.worker_pid) is not int:
             raise ValueError("a stage record's worker pid must be an int")
-        if error is not None and not _is_error(error):
+        if self.error is not None and not _is_error(self.error):
             raise ValueError("a stage record's error must be (type, message, traceback) strings")
 
     @classmethod
@@ -141,12 +149,10 @@ class ShippedStage:
         values[_START], values[_END] = start_ns, end_ns
         return cls(values)
 
-    @property
-    def wall_ms(self) -> float:
-        """Its time on the wall; a composite's longest occurrence (what a rule about one stage reads)."""
-        if self.compressed is not None:
-            return self.compressed.max_ns / 1e6
-        return max(0, self.end_ns - self.start_ns) / 1e6
+    def fold(self, compressed: CompressedInfo) -> None:
+        """Make it the composite of ``compressed``'s occurrences (its wall time then the longest one's)."""
+        self.compressed = compressed
+        self.wall_ms = compressed.max_ns / 1e6
 
     def __repr__(self) -> str:
         return f"ShippedStage({self.name!r}, kind={self.kind!r})"
@@ -158,9 +164,6 @@ def _is_error(value: Any) -> bool:
 
 _NAME, _KIND, _SPAN_ID, _PARENT_SPAN_ID, _START, _END = (
     STAGE_FIELDS.index(f) for f in ("name", "kind", "span_id", "parent_span_id", "start_ns", "end_ns")
-)
-_BATCH, _COMPRESSED, _OFFLOAD, _WORKER_PID, _ERROR = (
-    STAGE_FIELDS.index(f) for f in ("batch", "compressed", "offload", "worker_pid", "error")
 )
 # A stage with nothing measured: no parent stage, not on the event loop, every optional field unset.
 _ADDED_STAGE = tuple(

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -15,7 +14,7 @@ from stagetrace.analysis.streams import StreamSummary, StreamThresholds, judge_p
 from stagetrace.conventions import SLOW_TOTAL, UNTRACKED
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Verdict:
     """What stagetrace concluded about one trace; ``on_verdict`` callbacks receive it.
 
@@ -177,60 +176,49 @@ def build_verdict(
     if judged is None:
         judged = judge(analysis, stream, stream_thresholds)
     load = signals.load if signals else None
-    return _new_verdict(
-        trace_id=trace_id,
-        root_name=root_name,
-        total_ms=analysis.total_ms,
-        breakdown=analysis.breakdown,
-        bottleneck=judged.bottleneck,
-        ratio=judged.ratio,
-        slow=judged.slow,
-        slow_reason=judged.reason,
-        first_chunk_threshold_ms=judged.first_chunk_threshold_ms,
-        gap_threshold_ms=judged.gap_threshold_ms,
-        slow_threshold_ms=analysis.slow_threshold_ms,
-        untracked_ms=analysis.untracked_ms,
-        diagnoses=diagnoses,
-        route=route,
-        gpu_utilization=signals.gpu_utilization if signals else None,
-        gil_pressure_ms=signals.gil_pressure_ms if signals else None,
-        cpu_pressure_ms=signals.cpu_pressure_ms if signals else None,
-        loop_lag_ms=signals.loop_lag_ms if signals else None,
-        loop_held_ms=signals.loop_held_ms if signals else None,
-        blocked_by=(signals.blocked_by or None) if signals else None,
-        delayed_requests=delayed_requests,
-        sampled=sampled,
-        stage_kinds=analysis.stage_kinds,
-        stream=stream,
-        gen_ai=gen_ai or None,
-        offloads=offloads,
-        diagnosed=diagnosis.diagnosed,
-        diagnosis_weight=diagnosis.weight,
-        diagnosis_sample_rate=diagnosis.share,
-        process_cpus=load.cpus if load else None,
-        process_cpus_used=load.cpus_used if load else None,
-        process_runnable=load.runnable if load else None,
-        requests_in_flight=load.requests if load else None,
+    # Its fields set as one dict (a frozen dataclass's __init__ sets each through object.__setattr__ in
+    # interpreted code): every field, in the fields' order (tests/analysis/test_rule_edges.py holds it).
+    verdict: Verdict = _NEW(Verdict)
+    _SET(
+        verdict,
+        "__dict__",
+        {
+            "trace_id": trace_id,
+            "root_name": root_name,
+            "total_ms": analysis.total_ms,
+            "breakdown": analysis.breakdown,
+            "bottleneck": judged.bottleneck,
+            "ratio": judged.ratio,
+            "slow": judged.slow,
+            "slow_threshold_ms": analysis.slow_threshold_ms,
+            "untracked_ms": analysis.untracked_ms,
+            "diagnoses": diagnoses,
+            "slow_reason": judged.reason,
+            "first_chunk_threshold_ms": judged.first_chunk_threshold_ms,
+            "gap_threshold_ms": judged.gap_threshold_ms,
+            "route": route,
+            "gpu_utilization": signals.gpu_utilization if signals else None,
+            "sampled": sampled,
+            "stage_kinds": analysis.stage_kinds,
+            "gil_pressure_ms": signals.gil_pressure_ms if signals else None,
+            "cpu_pressure_ms": signals.cpu_pressure_ms if signals else None,
+            "loop_lag_ms": signals.loop_lag_ms if signals else None,
+            "loop_held_ms": signals.loop_held_ms if signals else None,
+            "blocked_by": (signals.blocked_by or None) if signals else None,
+            "delayed_requests": delayed_requests,
+            "stream": stream,
+            "gen_ai": gen_ai or None,
+            "offloads": offloads,
+            "process_cpus": load.cpus if load else None,
+            "process_cpus_used": load.cpus_used if load else None,
+            "process_runnable": load.runnable if load else None,
+            "requests_in_flight": load.requests if load else None,
+            "diagnosed": diagnosis.diagnosed,
+            "diagnosis_weight": diagnosis.weight,
+            "diagnosis_sample_rate": diagnosis.share,
+        },
     )
+    return verdict
 
 
-def _verdict_builder() -> Callable[..., Verdict]:
-    """``_new_verdict(**every_field)``: a Verdict with its slots set directly, the frozen class unchanged.
-
-    A frozen dataclass's generated ``__init__`` sets each field with ``object.__setattr__`` in interpreted
-    code: 52 k instructions a verdict, once the largest single part of what the exporter spends on every
-    trace. This calls each slot's setter instead, from a function compiled once from the fields' table (as
-    ``dataclasses`` writes ``__init__``), keyword-only parameters in the fields' order: a loop over a ``**``
-    dict of them built two dicts a verdict and looked each setter up by name. Every field is required: one
-    left out or misnamed is a TypeError at the call."""
-    names = [f.name for f in dataclasses.fields(Verdict)]
-    namespace: dict[str, Any] = {f"set_{name}": getattr(Verdict, name).__set__ for name in names}
-    namespace.update(NEW=object.__new__, VERDICT=Verdict, __name__=__name__)
-    body = "".join(f"    set_{name}(verdict, {name})\n" for name in names)
-    source = f"def _new_verdict(*, {', '.join(names)}):\n    verdict = NEW(VERDICT)\n{body}    return verdict\n"
-    exec(compile(source, f"<{__name__}._new_verdict, generated>", "exec"), namespace)
-    built: Callable[..., Verdict] = namespace["_new_verdict"]
-    return built
-
-
-_new_verdict = _verdict_builder()
+_NEW, _SET = object.__new__, object.__setattr__

@@ -16,3 +16,7 @@ cpdef tuple schedstat_delta(object start, object end)
                digits=cython.int, field=cython.int, byte=cython.uchar, n=cython.Py_ssize_t,
                i=cython.Py_ssize_t, data=cython.p_uchar)
 cpdef (long long, long long, long long) _fields_by_bytes(bytes reading)
+
+
+@cython.locals(interval=cython.double)
+cpdef double not_gil_ms(double blocked_ms, long long slices, double gil_wait_bound_ms)

@@ -5,8 +5,11 @@ import cython
 
 
 cdef class _Histogram:
+    cdef public tuple buckets
     cdef public list counts
-    cdef public object count, sum, min, max, exemplars, start_ns
+    cdef public long long count
+    cdef public double sum, min, max
+    cdef public object exemplars, start_ns
 
 
 cdef class _Number:
@@ -19,8 +22,8 @@ cdef class MetricStore:
     cdef public object last_collection_ns
 
     @cython.locals(table=dict, h=_Histogram, buckets=tuple, index=cython.Py_ssize_t, hi=cython.Py_ssize_t,
-                   mid=cython.Py_ssize_t)
-    cpdef observe(self, object inst, object key, object value, object exemplar)
+                   mid=cython.Py_ssize_t, edge=cython.double)
+    cpdef observe(self, object inst, object key, double value, object exemplar)
 
     @cython.locals(table=dict, h=_Histogram, index=cython.Py_ssize_t, counts=list)
     cpdef merge(self, object inst, object key, object histogram)

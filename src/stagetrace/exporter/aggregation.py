@@ -56,12 +56,16 @@ _INF = float("inf")
 
 
 class _Histogram:
-    """One attribute set's explicit-bucket histogram."""
+    """One attribute set's explicit-bucket histogram (compiled, its count, sum and extremes are C numbers:
+    ``aggregation.pxd``)."""
 
-    __slots__ = ("count", "counts", "exemplars", "max", "min", "start_ns", "sum")
+    __slots__ = ("buckets", "count", "counts", "exemplars", "max", "min", "start_ns", "sum")
 
-    def __init__(self, buckets: int, start_ns: int) -> None:
-        self.counts = [0] * (buckets + 1)
+    def __init__(self, buckets: tuple[float, ...], start_ns: int) -> None:
+        # the instrument's edges, read at every observation: as floats (compiled, a float's value is read in C, an
+        # int's converted), which compare with a value exactly as the ints do
+        self.buckets = tuple([float(edge) for edge in buckets])
+        self.counts = [0] * (len(buckets) + 1)
         self.count = 0
         self.sum = 0.0
         self.min = _INF
@@ -87,20 +91,21 @@ class MetricStore:
 
     def __init__(self, delta_kinds: frozenset[str], now_ns: int) -> None:
         self.delta_kinds = delta_kinds  # instrument kinds the reader wants as deltas
-        self.points: dict[str, dict[Key, Any]] = {inst.name: {} for inst in INSTRUMENTS}
+        self.points: dict[Instrument, dict[Key, Any]] = {inst: {} for inst in INSTRUMENTS}
         self.last_collection_ns = now_ns
 
     def observe(self, inst: Instrument, key: Key, value: float, exemplar: Exemplar | None) -> None:
-        table = self.points[inst.name]
+        table = self.points[inst]
         h = table.get(key)
         if h is None:
-            h = table[key] = _Histogram(len(inst.buckets), time_ns())
+            h = table[key] = _Histogram(inst.buckets, time_ns())
         # bisect_left by hand: a call to it costs more than its four steps over a dozen edges (C ones, compiled)
-        buckets = inst.buckets
+        buckets = h.buckets
         index, hi = 0, len(buckets)
         while index < hi:
-            mid = (index + hi) // 2
-            if buckets[mid] < value:
+            mid = (index + hi) >> 1
+            edge = buckets[mid]
+            if edge < value:
                 index = mid + 1
             else:
                 hi = mid
@@ -122,10 +127,10 @@ class MetricStore:
         n = sum(histogram.counts)
         if not n:
             return
-        table = self.points[inst.name]
+        table = self.points[inst]
         h = table.get(key)
         if h is None:
-            h = table[key] = _Histogram(len(inst.buckets), time_ns())
+            h = table[key] = _Histogram(inst.buckets, time_ns())
         for index, count in enumerate(histogram.counts):
             h.counts[index] += count
         h.count += n
@@ -136,7 +141,7 @@ class MetricStore:
             h.max = histogram.max_ms
 
     def add(self, inst: Instrument, key: Key, amount: float) -> None:
-        table = self.points[inst.name]
+        table = self.points[inst]
         n = table.get(key)
         if n is None:
             table[key] = _Number(amount, time_ns())
@@ -144,7 +149,7 @@ class MetricStore:
             n.value += amount
 
     def set(self, inst: Instrument, key: Key, value: float) -> None:
-        self.points[inst.name][key] = value  # the last value wins
+        self.points[inst][key] = value  # the last value wins
 
     def collect(self, now_ns: int) -> list[Metric]:
         """The points as the SDK's reader would receive them; a delta store starts afresh."""
@@ -152,12 +157,12 @@ class MetricStore:
         previous_ns = self.last_collection_ns
         self.last_collection_ns = now_ns
         for inst in INSTRUMENTS:
-            table = self.points[inst.name]
+            table = self.points[inst]
             if not table:
                 continue
             delta = inst.kind in self.delta_kinds
             if delta:
-                self.points[inst.name] = {}
+                self.points[inst] = {}
             metrics.append(
                 Metric(
                     name=inst.name,

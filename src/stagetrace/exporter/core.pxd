@@ -3,6 +3,20 @@
 # each a dictionary lookup on an instance of a plain class), and stays readable from Python as before; the
 # methods a trace goes through call each other in C.
 
+import cython
+
+from stagetrace.analysis.stage_record cimport ShippedStage
+from stagetrace.exporter.keep cimport PendingBatches, RecentDecisions
+from stagetrace.exporter.signals cimport LoopBlockSeries
+
+
+@cython.locals(st=ShippedStage)
+cpdef bint _errored(object root, object stages, object others) except -1
+
+@cython.locals(st=ShippedStage)
+cpdef object _delayed_requests(object stages)
+
+
 cdef class ExporterCore:
     cdef public object settings
     cdef public object outputs
@@ -10,10 +24,10 @@ cdef class ExporterCore:
     cdef public object _diagnosis_clock_ns
     cdef public object metrics
     cdef public object series
-    cdef public object loop_blocks
+    cdef public LoopBlockSeries loop_blocks
     cdef public object _gil_wait_bound_ms
-    cdef public object decisions
-    cdef public object batches
+    cdef public RecentDecisions decisions
+    cdef public PendingBatches batches
     cdef public object budget
     cdef public object adjusted
     cdef public object diagnosis_budget

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from opentelemetry.trace import StatusCode, format_trace_id
+from opentelemetry.trace import StatusCode
 
 from stagetrace import conventions as c
 from stagetrace._safety import RateLimitedLog, report_internal_error
@@ -27,6 +27,7 @@ from stagetrace.analysis.verdict import judge
 from stagetrace.common import wire
 from stagetrace.common.cpus import usable_cpus
 from stagetrace.common.decimals import round_to
+from stagetrace.common.wire import unpack_trace  # (bound: compiled, `wire.name` is a module lookup a trace)
 from stagetrace.exporter import signals as sig
 from stagetrace.exporter import spans as sp
 from stagetrace.exporter.budget import AdjustedCounts, BudgetLimits, ExportBudget, kind_of, own_weight, signature_of
@@ -53,6 +54,21 @@ from stagetrace.settings import (
     Settings,
 )
 
+# Read for every trace, so bound once: compiled, ``c.NAME`` is a lookup through the module object at each read
+# (several hundred instructions) and ``Keep.MEMBER`` one through the enum's metaclass, where a global of this
+# module is a cached read.
+_BATCH_ID, _HTTP_ROUTE, _GEN_AI_OPERATION, _GEN_AI_REQUEST_MODEL, _DELAYED_REQUESTS = (
+    c.BATCH_ID, c.HTTP_ROUTE, c.GEN_AI_OPERATION, c.GEN_AI_REQUEST_MODEL, c.DELAYED_REQUESTS
+)  # fmt: skip
+_DIAGNOSED, _BUDGET = Keep.DIAGNOSED, Keep.BUDGET
+
+
+def format_trace_id(trace_id: int) -> str:
+    """OpenTelemetry's ``format_trace_id`` (32 lowercase hex digits, for any int as it gives them) through
+    ``%``: its ``format(trace_id, "032x")`` parses the spec anew on every call, in interpreted code, once a
+    verdict (tests/test_core.py holds the two to each other)."""
+    return "%032x" % trace_id  # noqa: UP031 - the point: one C formatting call, no spec parsed in Python
+
 
 def _errored(root: wire.WireSpan, stages: Sequence[Any], others: Sequence[wire.WireSpan]) -> bool:
     """Did the request fail: its root, a stage or another span of it (loops: compiled, a generator in
@@ -70,15 +86,20 @@ def _errored(root: wire.WireSpan, stages: Sequence[Any], others: Sequence[wire.W
 
 def _delayed_requests(stages: Sequence[Any]) -> int | None:
     """The most other requests any of the trace's own stages held its event loop from (on the stages)."""
-    counts = [a.get(c.DELAYED_REQUESTS) for st in stages if (a := st.attributes)]
-    found = [n for n in counts if isinstance(n, int)]
-    return max(found) if found else None
+    most = None
+    for st in stages:  # (a loop: compiled, a stage's fields are C members here, core.pxd)
+        attributes = st.attributes
+        if attributes:
+            n = attributes.get(_DELAYED_REQUESTS)
+            if isinstance(n, int) and (most is None or n > most):
+                most = n
+    return most
 
 
 def generative(declared: dict[str, Any] | None, root_attributes: dict[str, Any]) -> dict[str, Any] | None:
     """What a request said of the generative model it served: through ``stagetrace.generation()`` or
     ``gen_ai.*`` attributes on its local root (which win); None unless it names an operation or a model."""
-    if not declared and c.GEN_AI_OPERATION not in root_attributes and c.GEN_AI_REQUEST_MODEL not in root_attributes:
+    if not declared and _GEN_AI_OPERATION not in root_attributes and _GEN_AI_REQUEST_MODEL not in root_attributes:
         return None  # (nearly every trace of a service that serves no generative model: no scan of its root)
     found = {k: v for k, v in root_attributes.items() if k.startswith("gen_ai.")}
     if declared:
@@ -101,7 +122,7 @@ def fold_repeated(stages: list[wire.ShippedStage], new_span_id: Callable[[], int
     composite = wire.ShippedStage.added(
         first.name, first.kind, new_span_id(), first.parent_span_id, first.start_ns, max(st.end_ns for st in rest)
     )
-    composite.compressed = CompressedInfo(len(rest), sum(walls), min(walls), max(walls))
+    composite.fold(CompressedInfo(len(rest), sum(walls), min(walls), max(walls)))
     names = [n for st in rest for n in (st.attributes or {}).get(c.BLOCKED_BY, ())]
     composite.attributes = {c.BLOCKED_BY: tuple(dict.fromkeys(names))[:MAX_BLOCKED_BY]}
     slowest = rest[walls.index(max(walls))]
@@ -229,14 +250,14 @@ class ExporterCore:
     # --- traces ---------------------------------------------------------------------------------------
     def _trace(self, msg: tuple[Any, ...]) -> None:
         try:
-            t = wire.unpack_trace(msg)
+            t = unpack_trace(msg)
         except ValueError as e:
             raise MalformedRecord(str(e)) from e
         self.handled += 1
         try:
             if len(self.batches):
                 self._export(self.batches.expire(time.monotonic()))
-            if c.BATCH_ID in t.root.attributes:
+            if _BATCH_ID in t.root.attributes:
                 self._batch_trace(t)
             else:
                 self._analyse_and_export(t)
@@ -253,7 +274,7 @@ class ExporterCore:
         # A composite's slowest occurrence is exported as an example; its time is the composite's already.
         analysed = [st for st in stages if not st.example] + [st for st, _ in foreign]
         attrs = root.attributes
-        route = attrs.get(c.HTTP_ROUTE)
+        route = attrs.get(_HTTP_ROUTE)
         route = route if isinstance(route, str) else None
         blocked_by: tuple[str, ...] = ()
         if t.loop_thread and len(self.loop_blocks):
@@ -288,7 +309,8 @@ class ExporterCore:
         kind = kind_of(root.name, route, judged.bottleneck)
         choice = self.diagnosis_budget.choose(kind, trace_id, kept=self.budget.may_admit(undiagnosed, now))
         diagnoses: tuple[Diagnosis, ...] = ()
-        if choice.diagnosed:
+        diagnosed = choice.diagnosed
+        if diagnosed:
             started = self._diagnosis_clock_ns()
             diagnoses = diagnose(analysis, analysed, signals, self.settings.thresholds)
             self.diagnosis_budget.spent(self._diagnosis_clock_ns() - started)
@@ -311,11 +333,11 @@ class ExporterCore:
         if keep.kept:
             signature = signature_of(verdict.root_name, route, verdict.bottleneck, verdict.diagnosis_codes)
             # kept for its diagnoses, it stands for the traces its chance of being diagnosed stood for too
-            weight = own_weight(keep, share) * (choice.weight if keep is Keep.DIAGNOSED else 1.0)
+            weight = own_weight(keep, share) * (choice.weight if keep is _DIAGNOSED else 1.0)
             stratum = (kind, keep)
             # a trace left undiagnosed is never kept: it was one the budget had no token for
-            keep = self.budget.admit(keep, signature, judged.slowness, now) if choice.diagnosed else Keep.BUDGET
-            if keep is Keep.BUDGET:
+            keep = self.budget.admit(keep, signature, judged.slowness, now) if diagnosed else _BUDGET
+            if keep is _BUDGET:
                 self.metrics.dropped("budget")
                 self.adjusted.left_out(stratum, weight)
             else:
@@ -390,7 +412,7 @@ class ExporterCore:
         stages that held its loop meanwhile, longest first: ``"<stage> <trace id>"``. ``own``: the
         intervals the request was busy itself (its stages, its runs on worker threads)."""
         window = (root.start_ns - offset, root.end_ns - offset)
-        blocks = self.loop_blocks.overlapping(thread, *window)
+        blocks = self.loop_blocks.overlapping(thread, window[0], window[1])
         waits = loop_waits(window, own, blocks, trace_id, min_ns=LOOP_WAIT_MIN_NS)
         held: dict[str, int] = {}
         out = []

@@ -63,6 +63,10 @@ class CpuClocks(NamedTuple):
     application_s: float
 
 
+# (through tuple.__new__: the named tuple's own __new__ is Python code, and past the budget every trace gets one)
+_new_choice = tuple.__new__
+
+
 class DiagnosisBudget:
     """``cpu_share`` None: no budget, every trace diagnosed."""
 
@@ -86,7 +90,7 @@ class DiagnosisBudget:
         if share >= 1.0:
             return EVERY_TRACE
         if kept:
-            return DiagnosisChoice(1.0, share)
+            return _new_choice(DiagnosisChoice, (1.0, share))
         window, chosen = self._floors.get(kind, (-1, 0))
         if window != self._window:
             chosen = 0
@@ -95,10 +99,10 @@ class DiagnosisBudget:
             self._floors.move_to_end(kind)
             if len(self._floors) > self._max_kinds:
                 self._floors.popitem(last=False)
-            return DiagnosisChoice(1.0, share)
+            return _new_choice(DiagnosisChoice, (1.0, share))
         if in_diagnosis_share(trace_id, share):
-            return DiagnosisChoice(1.0 / share, share)
-        return DiagnosisChoice(0.0, share)
+            return _new_choice(DiagnosisChoice, (1.0 / share, share))
+        return _new_choice(DiagnosisChoice, (0.0, share))
 
     def spent(self, cpu_ns: int) -> None:
         """A diagnosis took ``cpu_ns`` of the exporter's CPU."""

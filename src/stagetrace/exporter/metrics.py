@@ -36,11 +36,15 @@ FILL_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 Exemplar = tuple[int, int]  # (trace id, span id) of a kept trace's root
 Key = tuple[tuple[str, Any], ...]  # a point's attributes as (name, value) pairs, hashable
 _HEALTHY: Key = ((c.SLOW, False),)  # a trace's duration point when it was not slow (a slow one says why)
+# (bound once, read for every trace: compiled, ``c.NAME`` is a lookup through the module object at each read)
+_SLOW_TOTAL, _UNTRACKED, _STAGE, _DIAGNOSIS_CODE = c.SLOW_TOTAL, c.UNTRACKED, c.STAGE, c.DIAGNOSIS_CODE
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Instrument:
-    """One metric of the contract: the single description that both ways of aggregating it read."""
+    """One metric of the contract: the single description that both ways of aggregating it read. Each is one
+    constant, compared and hashed by identity: a store finds its points by the instrument at every observation
+    (the generated hash of five fields would run Python code there)."""
 
     name: str
     kind: str  # "histogram", "counter" or "gauge"
@@ -165,6 +169,7 @@ class ContractMetrics:
         self._max_stage_names = max_stage_names
         self._stage_names: set[str] = set()
         self._stage_keys: dict[tuple[str, str, str | None], Key] = {}
+        self._trace_keys: dict[tuple[str | None, str | None], Key] = {}  # (slow reason, route) -> key
         self._names_lock = threading.Lock()
 
     # --- how a subclass aggregates ---------------------------------------------------------------------
@@ -215,6 +220,15 @@ class ContractMetrics:
                 self._stage_keys[cache_key] = key
         return key
 
+    def _trace_key(self, reason: str | None, route: str | None) -> Key:
+        """A trace duration's attributes: slow and why (``reason`` None: it was not), and its route."""
+        key = ((c.SLOW, True), (c.SLOW_REASON, reason)) if reason is not None else _HEALTHY
+        if route:
+            key += ((c.HTTP_ROUTE, route),)
+        if len(self._trace_keys) < 4 * self._max_stage_names:  # routes are templates; a bound all the same
+            self._trace_keys[(reason, route)] = key
+        return key
+
     # --- the events (MetricsSink) ------------------------------------------------------------------------
     def record_stage(self, name: str, kind: str, ms: float, route: str | None) -> None:
         self._observe(STAGE_DURATION, self._stage_key(name, kind, route), ms, None)
@@ -236,18 +250,20 @@ class ContractMetrics:
             if key is None:
                 key = self._stage_key(name, kind, route)
             observations.append((STAGE_DURATION, key, ms, exemplar if name == bottleneck else None))
-        slow: Key = ((c.SLOW, True), (c.SLOW_REASON, verdict.slow_reason or c.SLOW_TOTAL)) if verdict.slow else _HEALTHY
-        trace_key: Key = (*slow, (c.HTTP_ROUTE, route)) if route else slow
+        reason = (verdict.slow_reason or _SLOW_TOTAL) if verdict.slow else None
+        trace_key = self._trace_keys.get((reason, route))  # (a key made once: no tuples built a trace)
+        if trace_key is None:
+            trace_key = self._trace_key(reason, route)
         observations.append((TRACE_DURATION, trace_key, verdict.total_ms, exemplar))
         additions: list[Addition] = []
         if verdict.diagnosed:
             weight = verdict.diagnosis_weight
             stands_for = 1 if weight == 1.0 else weight  # an int while every trace is diagnosed
-            additions = [(DIAGNOSIS, ((c.DIAGNOSIS_CODE, d.code),), stands_for) for d in verdict.diagnoses]
+            additions = [(DIAGNOSIS, ((_DIAGNOSIS_CODE, d.code),), stands_for) for d in verdict.diagnoses]
             additions.append((TRACES_DIAGNOSED, (), 1))
         if bottleneck is not None:
-            label = bottleneck if bottleneck == c.UNTRACKED else self._stage_label(bottleneck)
-            additions.append((BOTTLENECK, ((c.STAGE, label),), 1))
+            label = bottleneck if bottleneck == _UNTRACKED else self._stage_label(bottleneck)
+            additions.append((BOTTLENECK, ((_STAGE, label),), 1))
         merges: list[Merge] = []
         stream = verdict.stream
         if stream is not None:

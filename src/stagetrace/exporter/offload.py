@@ -16,7 +16,7 @@ from stagetrace.analysis.offload import (
     offload_info,
     split_offload,
 )
-from stagetrace.common.wire import ShippedStage
+from stagetrace.analysis.stage_record import ShippedStage
 
 
 def place_offloads(stages: Sequence[ShippedStage], new_span_id: Callable[[], int]) -> list[ShippedStage]:

@@ -7,7 +7,7 @@ import cython
 from stagetrace.common.decimals cimport round_to
 from stagetrace.analysis.causes cimport blocked_enough
 from stagetrace.analysis.stage_record cimport ShippedStage
-from stagetrace.common.schedstat cimport schedstat_delta
+from stagetrace.common.schedstat cimport not_gil_ms, schedstat_delta
 
 
 cdef bint _COMPILED
@@ -20,6 +20,28 @@ cdef class LagSeries:
 
     @cython.locals(times=list, values=list, i=cython.Py_ssize_t, value=cython.double)
     cpdef _extend_checked(self, object flat)
+
+    @cython.locals(times=list)
+    cpdef list window(self, object start_ns, object end_ns)
+
+
+# (its len() a C slot, asked for every trace; the blocks a window overlaps a C call from the core)
+cdef class LoopBlockSeries:
+    cdef public object _max
+    cdef public dict _ends
+    cdef public dict _blocks
+    cdef public Py_ssize_t _count
+
+    cpdef list overlapping(self, object thread, object start_ns, object end_ns)
+
+
+@cython.locals(lo=cython.Py_ssize_t, hi=cython.Py_ssize_t, mid=cython.Py_ssize_t, step=cython.Py_ssize_t,
+               at=cython.longlong, t=cython.longlong)
+cpdef Py_ssize_t index_left(list times, object at_ns) except -1
+
+@cython.locals(lo=cython.Py_ssize_t, hi=cython.Py_ssize_t, mid=cython.Py_ssize_t, step=cython.Py_ssize_t,
+               at=cython.longlong, t=cython.longlong)
+cpdef Py_ssize_t index_right(list times, object at_ns) except -1
 
 
 @cython.locals(wall_ms=cython.double, cpu_ms=cython.double, rq_ms=cython.double, blocked=cython.double)
