@@ -6,7 +6,8 @@
 import cython
 
 from stagetrace.analysis.stage_record cimport ShippedStage
-from stagetrace.exporter.keep cimport PendingBatches, RecentDecisions
+from stagetrace.exporter.diagnosis_budget cimport DiagnosisBudget
+from stagetrace.exporter.keep cimport PendingBatches, RecentDecisions, decide, decide_before_diagnosis
 from stagetrace.exporter.signals cimport LoopBlockSeries
 
 
@@ -30,7 +31,7 @@ cdef class ExporterCore:
     cdef public PendingBatches batches
     cdef public object budget
     cdef public object adjusted
-    cdef public object diagnosis_budget
+    cdef public DiagnosisBudget diagnosis_budget
     cdef public object _new_span_id
     cdef public object handled
     cdef public object _slow_log

@@ -17,3 +17,8 @@ cdef class PendingBatches:
     cdef public object _by_member
 
     cpdef list member_decided(self, object member_id, bint kept)
+
+
+cpdef decide_before_diagnosis(bint sampled, bint errored, bint slow, object healthy_share, object trace_id)
+
+cpdef decide(object verdict, bint errored, object healthy_share, object trace_id)
