@@ -242,3 +242,42 @@ def test_a_stage_record_of_another_shape_is_refused_before_it_is_read():
     for shape in (dict(enumerate(good)), set(range(len(good))), "x" * len(good)):
         with pytest.raises(ValueError, match="a stage record is a tuple"):
             wire.ShippedStage(shape)
+
+
+def test_a_stage_whose_times_no_float_holds_is_malformed_and_counted_as_one():
+    """Its wall time is set as it is made: times further apart than a float holds are refused there as malformed
+    (a ValueError the exporter counts), not an overflow that would escape the exporter's handling."""
+    import pytest
+
+    from stagetrace.common import wire
+    from stagetrace.exporter.core import ExporterCore
+    from stagetrace.exporter.metrics import MetricsRecorder
+    from stagetrace.exporter.outputs import LocalOutputs
+    from stagetrace.settings import Settings
+
+    with pytest.raises(ValueError, match="further apart than a float holds"):
+        wire.ShippedStage.added("s", "cpu", 1, 2, 0, 10**400)
+    assert wire.ShippedStage.added("s", "cpu", 1, 2, 10**400, 0).wall_ms == 0.0  # backwards: no time, no float
+
+    class Spans:
+        exported = 0
+
+        def export(self, spans: object) -> None:
+            self.exported += 1
+
+        def flush(self, timeout_s: float) -> bool:
+            return True
+
+    recorder, sink = MetricsRecorder(), Spans()
+    core = ExporterCore(Settings(healthy_sample=1.0), LocalOutputs(spans=sink, metrics=recorder))
+    root = ("GET /", 7, 2, 0, False, 1, 0, 10, {}, (), (), 0, "", "s", "1", 1, "", 0, 0, 0)
+    for end_ns, malformed in ((5, False), (10**400, True)):  # the same trace well formed first: it gets a verdict
+        stage = [getattr(wire.ShippedStage.added("s", "cpu", 1, 2, 0, 1), f) for f in wire.STAGE_FIELDS]
+        stage[wire.STAGE_FIELDS.index("end_ns")] = end_ns
+        # (trace id, flags, state, offset, dropped stages, GPU, root, stages, others, loop thread, worker runs,
+        # task created, received ms ago, stream, gen_ai)
+        core.handle_or_count((wire.TRACE, 7, 1, "", 0, 0, None, root, (tuple(stage),), (), 0, (), 0, -1, None, None))
+        calls = recorder.take()
+        assert (("dropped", ("malformed_record", 1)) in calls) is malformed
+        assert any(method == "record_trace" for method, _ in calls) is not malformed
+    assert sink.exported == 1  # the well-formed one's spans only

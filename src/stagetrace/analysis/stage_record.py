@@ -132,7 +132,10 @@ class ShippedStage:
             self.wall_ms = folded.max_ns / 1e6 if folded is not None else 0.0
         else:
             wall_ns = self.end_ns - self.start_ns
-            self.wall_ms = wall_ns / 1e6 if wall_ns > 0 else 0.0
+            try:
+                self.wall_ms = wall_ns / 1e6 if wall_ns > 0 else 0.0
+            except OverflowError:
+                raise ValueError("a stage record's times are further apart than a float holds") from None
         if self.offload is not None:
             self.offload = offload_fields(self.offload)
         if self.worker_pid is not None and type(self.worker_pid) is not int:
