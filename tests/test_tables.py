@@ -258,6 +258,10 @@ def test_a_stage_whose_times_no_float_holds_is_malformed_and_counted_as_one():
     with pytest.raises(ValueError, match="further apart than a float holds"):
         wire.ShippedStage.added("s", "cpu", 1, 2, 0, 10**400)
     assert wire.ShippedStage.added("s", "cpu", 1, 2, 10**400, 0).wall_ms == 0.0  # backwards: no time, no float
+    composite = [getattr(wire.ShippedStage.added("s", "cpu", 1, 2, 0, 1), f) for f in wire.STAGE_FIELDS]
+    composite[wire.STAGE_FIELDS.index("compressed")] = (2, 10**400, 1, 10**400)  # its longest occurrence too
+    with pytest.raises(ValueError, match="further apart than a float holds"):
+        wire.ShippedStage(tuple(composite))
 
     class Spans:
         exported = 0

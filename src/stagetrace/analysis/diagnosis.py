@@ -84,7 +84,7 @@ class Signal(enum.Enum):
     OFFLOAD = "a call handed to a process pool"
 
     # A member is its own identity (Enum's equality): hashed by it in C, where Enum's ``__hash__`` is a Python
-    # call (about a thousand instructions a ``set.add``, several on every trace in ``_available``).
+    # call (about a thousand instructions a set or dict operation on a member).
     __hash__ = object.__hash__
 
 

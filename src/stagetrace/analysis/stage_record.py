@@ -126,16 +126,17 @@ class ShippedStage:
             raise ValueError("a stage record needs a str name and int times")
         if self.batch is not None:
             self.batch = batch_info(self.batch)
+        # its wall time: a composite's longest occurrence, any other stage's times (none where they run backwards)
         if self.compressed is not None:
             folded = compressed_info(self.compressed)
             self.compressed = folded
-            self.wall_ms = folded.max_ns / 1e6 if folded is not None else 0.0
+            wall_ns = folded.max_ns if folded is not None else 0
         else:
             wall_ns = self.end_ns - self.start_ns
-            try:
-                self.wall_ms = wall_ns / 1e6 if wall_ns > 0 else 0.0
-            except OverflowError:
-                raise ValueError("a stage record's times are further apart than a float holds") from None
+        try:
+            self.wall_ms = wall_ns / 1e6 if wall_ns > 0 else 0.0
+        except OverflowError:
+            raise ValueError("a stage record's times are further apart than a float holds") from None
         if self.offload is not None:
             self.offload = offload_fields(self.offload)
         if self.worker_pid is not None and type(self.worker_pid) is not int:

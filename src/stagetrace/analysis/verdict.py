@@ -21,6 +21,10 @@ class Verdict:
     ``breakdown`` maps stage name to milliseconds (exclusive, GPU time for GPU stages), in pipeline order.
     ``bottleneck`` is the stage with the most time, or ``untracked`` when time in no stage exceeds every
     stage; ``ratio`` is its share of ``total_ms`` in 0..1.
+
+    No slots, so that ``build_verdict`` can set its fields as one dict: the exporter makes one for every trace,
+    and the generated ``__init__`` of a frozen dataclass sets each of its fields through ``object.__setattr__``
+    in interpreted code.
     """
 
     trace_id: str
