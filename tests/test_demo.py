@@ -131,11 +131,12 @@ def test_cli_rejects_bad_arguments(tmp_path):
 def test_the_llm_demos_slow_streams_fall_when_the_fix_removes_their_cause(tmp_path):
     """`stagetrace demo --pipeline llm --optimized`: every stream was "slow" by its length before and after;
     judged by its phases, the baseline's streams are slow by their gaps (detokenizing the whole sequence at
-    every token) and the fixed service's next to none (measured on a quiet 2-vCPU VM: 0 in 5 of 6 runs, 1 in
-    the other). The SLO is four engine rounds measured once at start, and the fixed service's slowest streams
-    reach 4.1 of them quiet, 4.2-4.5 with a CPU taken by something else (5 and 6 of 40 slow, in a run beside a
-    spinning process and in one inside the full suite): the fix must clear at least three quarters of the
-    slow streams, which a fix that did nothing (40 and 40) or half of it fails."""
+    every token) and the fixed service's are not. How many of each cross the SLO moves with the machine: the
+    SLO is four engine rounds measured once at start, so a CPU taken by something else during a run, or while
+    the round is measured, moves the counts (on a quiet 2-vCPU VM, 40 before in 6 runs of 7 and 0 after in 5 of
+    6; inside the full suite, 40 and 6 in one run, 8 and 0 in another). What does not move is the fix's effect:
+    fewer streams slow by their gaps, and the typical stream's gap p99 at under 0.6 of the baseline's (0.27 quiet,
+    0.36-0.42 beside a spinning process), which a fix that did nothing fails."""
     demo = stagetrace_cli(
         "demo", "--pipeline", "llm", "--optimized", "--no-progress", "--out", str(tmp_path / "o"), cwd=tmp_path
     )
@@ -149,7 +150,10 @@ def test_the_llm_demos_slow_streams_fall_when_the_fix_removes_their_cause(tmp_pa
         return before, after
 
     before, after = counts("slow by gaps")
-    assert before >= 20 and after <= before // 4, table  # most before (all 40 in 6 runs of 7), few after
+    assert before > after, table
+    gap_row = next(ln for ln in table if ln.strip().startswith("gap p99 ms, p50 of streams"))
+    gap_before, gap_after = map(float, gap_row.split()[-2:])
+    assert gap_after < 0.6 * gap_before, table
     assert "slow by the gaps" in demo.stdout  # each run's own report says why its streams were slow
     report = json.loads(stagetrace_cli("report", str(tmp_path / "o"), "--json", cwd=tmp_path).stdout)
     # The report over both runs' files counts what each run's own summary counted, reason by reason (a stream
