@@ -190,6 +190,27 @@ def in_compiled_exporter(args: list[str], **kwargs: Any) -> subprocess.Completed
     return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, **kwargs)
 
 
+def compiled_only(module: str) -> pytest.MarkDecorator:
+    """Skips a test of ``module``'s compiled build where the install did not build it or the suite runs with
+    ``STAGETRACE_PURE_PYTHON=1``."""
+    from stagetrace import _compiled
+
+    return pytest.mark.skipif(
+        module not in _compiled.compiled_available() or _compiled.pure_python_forced(),
+        reason="the exporter's modules are not compiled on this install, or STAGETRACE_PURE_PYTHON=1",
+    )
+
+
+def run_compiled(module: str, body: str) -> str:
+    """``body`` run where ``module`` is imported (by its last name) from its compiled build, as an exporter allowed
+    them imports it; its output. The test fails where the source was imported instead or ``body`` raised."""
+    package, name = module.rsplit(".", 1)
+    header = f"from {package} import {name}\nassert not {name}.__file__.endswith('.py'), {name}.__file__\n"
+    run = in_compiled_exporter(["-c", header + body])
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run.stdout
+
+
 @pytest.fixture
 def export_mode() -> str:
     """Where the exporter's work runs: "process" (the default) or "thread". Test modules that must hold in

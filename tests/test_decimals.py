@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import in_compiled_exporter
-from stagetrace import _compiled
+from conftest import compiled_only, run_compiled
 from stagetrace.common import decimals
 from stagetrace.common.decimals import round_to
 
@@ -108,20 +107,14 @@ def test_the_margins_written_here_are_the_modules():
     assert (decimals._TIE_MARGIN, decimals._LARGEST_SCALED) == (MARGIN, LARGEST)
 
 
-@pytest.mark.skipif(
-    "stagetrace.common.decimals" not in _compiled.compiled_available() or _compiled.pure_python_forced(),
-    reason="the exporter's modules are not compiled on this install, or STAGETRACE_PURE_PYTHON=1",
-)
+@compiled_only("stagetrace.common.decimals")
 def test_the_compiled_module_gives_the_same_floats():
     script = (
         "import math, random, sys\n"
-        "from stagetrace.common import decimals\n"
-        "assert not decimals.__file__.endswith('.py'), decimals.__file__\n"
         f"values = {[v for v in EDGES if math.isfinite(v)]!r}\n"
         "rng = random.Random(7)\n"
         "values += [rng.uniform(-1e4, 1e4) for _ in range(20000)] + [rng.random() / 1000 for _ in range(20000)]\n"
         "bad = [(v, d) for v in values for d in range(7) if repr(decimals.round_to(v, d)) != repr(round(v, d))]\n"
         "sys.exit(f'differ: {bad[:5]}' if bad else 0)\n"
     )
-    run = in_compiled_exporter(["-c", script])
-    assert run.returncode == 0, run.stdout + run.stderr
+    run_compiled("stagetrace.common.decimals", script)

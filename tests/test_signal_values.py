@@ -14,8 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import in_compiled_exporter
-from stagetrace import _compiled
+from conftest import compiled_only, run_compiled
 from stagetrace.analysis.loopwait import LoopBlock
 from stagetrace.analysis.model import CompressedInfo
 from stagetrace.analysis.signals import ProcessLoad
@@ -511,16 +510,10 @@ def test_what_a_schedstat_reading_may_hold():
                 read(bad)
 
 
-@pytest.mark.skipif(
-    "stagetrace.common.schedstat" not in _compiled.compiled_available() or _compiled.pure_python_forced(),
-    reason="the exporter's modules are not compiled on this install, or STAGETRACE_PURE_PYTHON=1",
-)
+@compiled_only("stagetrace.common.schedstat")
 def test_the_compiled_schedstat_reads_by_its_walk_and_as_the_sources_do():
     readings = [b"1000000 250000 4\n", b"3500000 1250000 9\n", b"0 0", b"2000000 0", b"1 x 3", b"1", b"  5 6 7 8 "]
     script = (
-        "import sys\n"
-        "from stagetrace.common import schedstat\n"
-        "assert not schedstat.__file__.endswith('.py'), schedstat.__file__\n"
         f"readings = {readings!r}\n"
         "def result(start, end):\n"
         "    try:\n"
@@ -529,8 +522,7 @@ def test_the_compiled_schedstat_reads_by_its_walk_and_as_the_sources_do():
         "        return 'refused'\n"
         "print(repr([result(a, b) for a in readings for b in readings]))\n"
     )
-    run = in_compiled_exporter(["-c", script])
-    assert run.returncode == 0, run.stdout + run.stderr
+    out = run_compiled("stagetrace.common.schedstat", script)
 
     def result(start, end):
         try:
@@ -540,7 +532,7 @@ def test_the_compiled_schedstat_reads_by_its_walk_and_as_the_sources_do():
 
     from stagetrace.common.schedstat import schedstat_delta
 
-    assert run.stdout.strip() == repr([result(a, b) for a in readings for b in readings])
+    assert out.strip() == repr([result(a, b) for a in readings for b in readings])
 
 
 def test_a_series_skips_samples_whose_time_is_outside_what_an_int64_holds():
@@ -562,18 +554,13 @@ def test_a_series_skips_samples_whose_time_is_outside_what_an_int64_holds():
 _EDGE_BOUNDS = [-(2**70), -1, 0, 1, 2**62, 2**63 - 1, 2**63, 2**64 + 5, 10**30]
 
 
-@pytest.mark.skipif(
-    "stagetrace.exporter.signals" not in _compiled.compiled_available() or _compiled.pure_python_forced(),
-    reason="the exporter's modules are not compiled on this install, or STAGETRACE_PURE_PYTHON=1",
-)
+@compiled_only("stagetrace.exporter.signals")
 def test_the_compiled_window_search_gallops_to_what_bisect_finds():
     """Compiled, ``index_left``/``index_right`` are a C walk back from the series' end and a bisect (no call of
     the stdlib's): the same index as bisect for every bound, duplicates, an empty series and past either end."""
     script = (
         "import random\n"
         "from bisect import bisect_left, bisect_right\n"
-        "from stagetrace.exporter import signals\n"
-        "assert not signals.__file__.endswith('.py'), signals.__file__\n"
         "rng = random.Random(7)\n"
         f"edges = {_EDGE_BOUNDS!r}\n"
         "wrong = []\n"
@@ -588,6 +575,4 @@ def test_the_compiled_window_search_gallops_to_what_bisect_finds():
         "                wrong.append((n, at, got))\n"
         "print(len(wrong), wrong[:3])\n"
     )
-    run = in_compiled_exporter(["-c", script])
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.strip() == "0 []"
+    assert run_compiled("stagetrace.exporter.signals", script).strip() == "0 []"

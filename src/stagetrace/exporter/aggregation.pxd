@@ -19,6 +19,7 @@ cdef class _Number:
 cdef class MetricStore:
     cdef public object delta_kinds
     cdef public dict points
+    cdef public dict edges
     cdef public object last_collection_ns
 
     @cython.locals(table=dict, h=_Histogram, buckets=tuple, index=cython.Py_ssize_t, hi=cython.Py_ssize_t,

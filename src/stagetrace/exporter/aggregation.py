@@ -62,9 +62,7 @@ class _Histogram:
     __slots__ = ("buckets", "count", "counts", "exemplars", "max", "min", "start_ns", "sum")
 
     def __init__(self, buckets: tuple[float, ...], start_ns: int) -> None:
-        # the instrument's edges, read at every observation: as floats (compiled, a float's value is read in C, an
-        # int's converted), which compare with a value exactly as the ints do
-        self.buckets = tuple([float(edge) for edge in buckets])
+        self.buckets = buckets  # the instrument's edges as floats (MetricStore.edges), read at every observation
         self.counts = [0] * (len(buckets) + 1)
         self.count = 0
         self.sum = 0.0
@@ -92,13 +90,16 @@ class MetricStore:
     def __init__(self, delta_kinds: frozenset[str], now_ns: int) -> None:
         self.delta_kinds = delta_kinds  # instrument kinds the reader wants as deltas
         self.points: dict[Instrument, dict[Key, Any]] = {inst: {} for inst in INSTRUMENTS}
+        # Each histogram's edges as floats, made once: compiled, a float's value is read in C where an int is
+        # converted at each comparison, and a value compares with them exactly as with the ints.
+        self.edges = {inst: tuple(map(float, inst.buckets)) for inst in INSTRUMENTS}
         self.last_collection_ns = now_ns
 
     def observe(self, inst: Instrument, key: Key, value: float, exemplar: Exemplar | None) -> None:
         table = self.points[inst]
         h = table.get(key)
         if h is None:
-            h = table[key] = _Histogram(inst.buckets, time_ns())
+            h = table[key] = _Histogram(self.edges[inst], time_ns())
         # bisect_left by hand: a call to it costs more than its four steps over a dozen edges (C ones, compiled)
         buckets = h.buckets
         index, hi = 0, len(buckets)
@@ -130,7 +131,7 @@ class MetricStore:
         table = self.points[inst]
         h = table.get(key)
         if h is None:
-            h = table[key] = _Histogram(inst.buckets, time_ns())
+            h = table[key] = _Histogram(self.edges[inst], time_ns())
         for index, count in enumerate(histogram.counts):
             h.counts[index] += count
         h.count += n

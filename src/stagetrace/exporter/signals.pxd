@@ -39,8 +39,6 @@ cdef class LoopBlockSeries:
                at=cython.longlong, t=cython.longlong)
 cpdef Py_ssize_t index_left(list times, object at_ns) except -1
 
-@cython.locals(lo=cython.Py_ssize_t, hi=cython.Py_ssize_t, mid=cython.Py_ssize_t, step=cython.Py_ssize_t,
-               at=cython.longlong, t=cython.longlong)
 cpdef Py_ssize_t index_right(list times, object at_ns) except -1
 
 

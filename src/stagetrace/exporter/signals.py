@@ -122,9 +122,9 @@ def resolve_others(stage: Any, run_queue: LagSeries, cpu: LagSeries, offset_ns: 
 def index_left(times: list[int], at_ns: int) -> int:
     """``bisect_left(times, at_ns)`` over a series' times. Compiled, a C loop reading them as C long longs, that
     gallops back from the series' end before it bisects: a trace's windows lie among the last few samples (they
-    arrive as it finishes), which a bisect over the whole series reaches in twice the steps. (A call of the
-    stdlib's bisect from compiled code, a Python comparison a step, cost about 1 k instructions, and a trace
-    asks for fourteen window bounds.) ``at_ns`` may be any int (a trace's own times are not bounded)."""
+    arrive as it finishes), where a bisect would start from the middle of the series. (A call of the stdlib's
+    bisect from compiled code, a Python comparison a step, cost about 1 k instructions, and a trace asks for
+    fourteen window bounds.) ``at_ns`` may be any int (a trace's own times are not bounded)."""
     if not _COMPILED:
         return bisect_left(times, at_ns)
     lo, hi, step = 0, len(times), 1
@@ -151,30 +151,11 @@ def index_left(times: list[int], at_ns: int) -> int:
 
 
 def index_right(times: list[int], at_ns: int) -> int:
-    """``bisect_right(times, at_ns)`` over a series' times, as ``index_left``."""
+    """``bisect_right(times, at_ns)`` over a series' times: over ints, the first past ``at_ns`` is the first at
+    or past ``at_ns + 1`` (``index_left``'s search, compiled)."""
     if not _COMPILED:
         return bisect_right(times, at_ns)
-    lo, hi, step = 0, len(times), 1
-    if at_ns < 0:
-        return 0
-    if at_ns >= TIME_END_NS:
-        return hi
-    at = at_ns
-    while hi - step > 0:  # every time from hi on is past ``at``
-        t = times[hi - step]
-        if t <= at:
-            lo = hi - step + 1
-            break
-        hi -= step
-        step <<= 1
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        t = times[mid]
-        if at < t:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    return index_left(times, at_ns + 1)
 
 
 def cumulative_change(series: LagSeries, start_ns: int, end_ns: int) -> float | None:
