@@ -226,7 +226,7 @@ def test_the_process_totals_count_each_change_once_and_leave_out_the_readers_run
     clocks = {11: 5_000_000, 22: 2_000_000}  # 11 reads; 22 is another thread
     files = {11: b"5000000 1000000 3\n", 22: b"2000000 4000000 7\n"}
     reads = []
-    reader = cpu_module.ProcessSchedTotals(11, relist_every=1000)
+    reader = cpu_module.ProcessSchedTotals(11, relist_every=1000, skip_clocks_when_busy=False)  # (the next test)
 
     def relist() -> None:  # the real one, but for the fds (forgetting a thread closes its fd)
         reader._fds = {tid: tid for tid in files}
@@ -265,10 +265,97 @@ def test_the_process_totals_count_each_change_once_and_leave_out_the_readers_run
     reader._python_threads = -1
     assert reader.totals_ms() == (7.0, 15.6)  # its whole past
     clocks[22], files[22] = 1_000_000, b"1000000 200000 1\n"  # its TID taken by another new thread
-    assert reader.totals_ms() == (7.0, 15.6) and 22 not in reader._clocks  # forgotten, not taken back
+    assert reader.totals_ms() == (7.0, 15.6) and 22 not in reader._clocks  # forgotten (its count fell), not taken back
     assert reader.totals_ms() == (7.2, 16.6)  # relisted at the next reading: its whole past
     files[22], clocks[22] = b"bad", 2_000_000  # an unreadable file is dropped, never an error
     assert reader.totals_ms() == (7.2, 16.6) and 22 not in reader._clocks
+
+
+def test_a_saturated_process_is_read_without_its_threads_clocks(monkeypatch):
+    """On faked threads: where the last reading found two thirds of the threads or more run, the next reads
+    every file and no clock (each clock would only precede its file's read); once most are parked the clocks
+    come back and a parked thread costs a clock read alone. Counts are the same either way."""
+    from stagetrace.capture import cpu as cpu_module
+
+    clocks = {11: 1_000_000, 22: 1_000_000, 33: 1_000_000}
+    files = {tid: b"1000000 0 1\n" for tid in clocks}
+    reads, clock_reads = [], []
+    reader = cpu_module.ProcessSchedTotals(11, relist_every=1000)
+
+    def relist() -> None:
+        reader._fds = {tid: tid for tid in files}
+        reader._clocks = {tid: tid for tid in files}
+
+    def clock_ns(clock):
+        clock_reads.append(clock)
+        return clocks[clock]
+
+    def pread(fd, buf, size, offset):
+        reads.append(fd)
+        ctypes.memmove(buf, files[fd], len(files[fd]))
+        return len(files[fd])
+
+    def run(tids, ms=1):  # the threads in tids run for ms
+        for tid in tids:
+            clocks[tid] += ms * 1_000_000
+            cpu, rq, slices = (int(f) for f in files[tid].split())
+            files[tid] = f"{cpu + ms * 1_000_000} {rq} {slices + 1}\n".encode()
+
+    def reading():
+        reads.clear()
+        clock_reads.clear()
+        return reader.totals_ms()
+
+    monkeypatch.setattr(reader, "_relist", relist)
+    reader._pread, reader._clock_ns = pread, clock_ns
+    assert reading() == (0.0, 3.0) and reads == [11, 22, 33] and clock_reads == []  # the first lists: all read
+    run([11, 22, 33])
+    assert reading() == (0.0, 6.0) and reads == [11, 22, 33] and clock_reads == []  # busy: no clock read
+    run([11])  # 22 and 33 parked
+    assert reading() == (0.0, 7.0) and reads == [11, 22, 33] and clock_reads == []  # found parked, reading them
+    run([11])
+    assert reading() == (0.0, 8.0) and clock_reads == [11, 22, 33]  # the clocks back (first taken: all read)
+    run([11])
+    assert reading() == (0.0, 9.0) and reads == [11] and clock_reads == [11, 22, 33]  # parked: a clock each
+    clocks[33] -= 1  # a clock that went back: another thread with the TID, read afresh after a relist
+    run([11])
+    assert reading() == (0.0, 10.0) and 33 not in reader._clocks and reader._python_threads == -1
+
+
+def test_the_kernel_counts_the_process_threads_for_the_totals_and_a_thread_started_outside_python_is_read():
+    """The totals look for threads started outside Python (not in ``threading.active_count``) by the link count
+    of ``/proc/self/task``, threads + 2, where listing the directory cost ~100 us at saturation: the count must
+    hold on Linux (else every reading lists), and such a thread's CPU be in the reading after it ran."""
+    import _thread
+
+    from stagetrace.capture.cpu import ProcessSchedTotals, _open_thread_count
+
+    if not os.path.exists("/proc/thread-self/schedstat"):
+        pytest.skip("needs Linux schedstat")
+    fd, holds = _open_thread_count()
+    os.close(fd)
+    assert holds, "/proc/self/task's link count is no longer the threads + 2: the totals list every reading"
+    reader = ProcessSchedTotals(threading.get_native_id(), relist_every=1)
+    _, before = reader.totals_ms()
+    python_threads = threading.active_count()
+    done, stop = threading.Event(), threading.Event()
+
+    def work() -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < 0.05:
+            pass
+        done.set()
+        stop.wait(10)
+
+    _thread.start_new_thread(work, ())
+    try:
+        assert done.wait(10) and threading.active_count() == python_threads  # unseen by threading
+        _, after = reader.totals_ms()
+    finally:
+        stop.set()
+    assert after - before >= 45.0
+    reader.close()
+    assert reader._tasks_fd == -1
 
 
 def test_a_threads_cpu_clock_is_built_from_its_tid_as_the_c_library_builds_it():

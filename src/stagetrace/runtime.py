@@ -86,7 +86,8 @@ class Runtime:
         self.exporter_config = exporter_config
         self.gil_sampler = None
         if settings.gil_sampler_period_s:
-            self.gil_sampler = GilPressureMonitor(settings.gil_sampler_period_s, in_flight=self.registry.__len__)
+            in_flight = self.registry.count_function()
+            self.gil_sampler = GilPressureMonitor(settings.gil_sampler_period_s, in_flight=in_flight)
             self.registry.idle_wake = self.gil_sampler.wake
         self.loop_monitor = LoopLagMonitor(settings.loop_lag_interval_s, gil_wait_bound_s=settings.gil_wait_bound_s)
         sources: dict[str, Any] = {LOOP_SERIES: self.loop_monitor.series, LOOP_HELD_SERIES: self.loop_monitor.held}

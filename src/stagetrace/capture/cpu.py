@@ -50,14 +50,20 @@ class _ThreadFd:
 def _gil_holding_pread() -> Any:
     """libc's pread through ctypes.PyDLL, which keeps the GIL during the call. ``os.pread`` releases it
     around the syscall, so every stage boundary would offer the GIL to any waiting thread: a handoff per
-    boundary under load (measured: ~6 us a stage in benchmarks/overhead.py, against ~2.5 us this way)."""
+    boundary under load (measured: ~6 us a stage in benchmarks/overhead.py, against ~2.5 us this way).
+
+    No ``argtypes``: each call would convert its four arguments through their types' ``from_param`` (0.7 us
+    a call warm, ~11 us cold, as every GIL monitor wake-up at saturation runs). Callers pass the fd as a
+    Python int (a C int) and the size and offset as the typed constants ``LINE_SIZE`` and ``FROM_START``;
+    the result, at most 64 here, fits the default C int return."""
     try:
-        fn = ctypes.PyDLL(None).pread
+        return ctypes.PyDLL(None)["pread"]
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long]
-    fn.restype = ctypes.c_ssize_t
-    return fn
+
+
+LINE_SIZE = ctypes.c_size_t(64)  # a schedstat line is three decimal counts: 64 bytes hold it
+FROM_START = ctypes.c_long(0)  # off_t: a C long wherever glibc's and musl's ``pread`` take it
 
 
 class CpuSignals:
@@ -77,7 +83,7 @@ class CpuSignals:
         except AttributeError:
             holder = self._local.holder = _ThreadFd()
         pread: Any = self._pread  # set whenever schedstat is read (see __init__)
-        n = pread(holder.fd, holder.buf, 64, 0)
+        n = pread(holder.fd, holder.buf, LINE_SIZE, FROM_START)
         return holder.buf.raw[:n] if n > 0 else None
 
 
@@ -107,7 +113,7 @@ class OwnRunQueue(_ThreadFd):
     def read(self) -> tuple[int, int | None]:
         """(cumulative run-queue wait in ns, times scheduled in; None where the kernel gives two fields)."""
         buf = self.buf
-        n = self._pread(self.fd, buf, 64, 0)
+        n = self._pread(self.fd, buf, LINE_SIZE, FROM_START)
         if n <= 0:
             return 0, None
         fields = buf[:n].split()  # type: ignore[attr-defined]  # a c_char array's slice is bytes
@@ -130,6 +136,23 @@ def _thread_cpu_clocks_hold() -> bool:
     return clock == thread_cpu_clock(threading.get_native_id())
 
 
+def _open_thread_count() -> tuple[int, bool]:
+    """``/proc/self/task`` opened, and whether its link count is the process's threads + 2 (Linux sets it so
+    in ``proc_task_getattr``): checked against a listing of the directory, taken between two counts that
+    agree (a thread starting or ending meanwhile leaves it unchecked: listed every time instead)."""
+    try:
+        fd = os.open(_TASKS, os.O_RDONLY | os.O_DIRECTORY)
+    except (OSError, AttributeError):
+        return -1, False
+    try:
+        before = os.fstat(fd).st_nlink
+        listed = len(os.listdir(_TASKS))
+        holds = before == os.fstat(fd).st_nlink == listed + 2
+    except OSError:
+        holds = False
+    return fd, holds
+
+
 class ProcessSchedTotals:
     """The process's threads' scheduler counts, summed, for the GIL monitor's wake-ups: two bounds on how much
     of a stage's blocked time waits for the GIL can explain.
@@ -148,10 +171,13 @@ class ProcessSchedTotals:
 
     Both only grow: each thread's positive change is added, a new thread's whole past counted once (too much,
     never too little), a thread that has gone drops out. The thread list is re-read when the number of Python
-    threads changed (``threading.active_count``: no syscall, and none that lets the GIL go mid-reading) and
-    every ``relist_every`` calls, for threads started outside Python. A thread found only at a later reading
-    would leave its time out of the windows before then: a worker thread started for a request, its own
-    stage's CPU missing from the total the stage's is taken from.
+    threads changed (``threading.active_count``: no syscall, and none that lets the GIL go mid-reading) and,
+    for threads started outside Python, at every ``relist_every``-th reading where the kernel's count of the
+    process's threads differs from the list's (the link count of ``/proc/self/task``, threads + 2: one
+    ``fstat``, where listing the directory cost ~100 us at saturation; checked against a listing when made,
+    and listed every time where it does not hold). A thread found only at a later reading would leave its
+    time out of the windows before then: a worker thread started for a request, its own stage's CPU missing
+    from the total the stage's is taken from.
 
     Each thread costs one ``clock_gettime`` of its CPU clock (``thread_cpu_clock``), and only a thread whose
     clock moved since the last reading a ``pread`` of its schedstat; both counts come from that file, as a
@@ -161,15 +187,21 @@ class ProcessSchedTotals:
     taken off a run queue to move to another CPU), so a thread whose clock did not move has at most the wait
     of a move still to add, and it is counted at the first reading after the thread runs again; every
     ``relist_every``-th reading reads every thread, which bounds that delay. So the parked threads of a pool
-    cost a system call each and no file read (``benchmarks/monitor_cost.py``). Both calls keep the GIL, so
-    no thread that needs it runs while a reading is taken. A thread whose clock went back is a new thread
-    with a dead one's TID: it is read afresh (its file reopened) from the next reading."""
+    cost a system call each and no file read (``benchmarks/monitor_cost.py``). Where the last reading found
+    two thirds of the threads or more run (a saturated process: each clock read only to be followed by the
+    file's), the next reads every file and no clock, and a thread whose on-CPU count did not grow counts as
+    parked for the next choice. Both calls keep the GIL, so no thread that needs it runs while a reading is
+    taken. A thread whose clock or on-CPU count went back, or whose file can no longer be read, is a new
+    thread with a dead one's TID, or none: it is read afresh (its file reopened) from the next reading."""
 
-    def __init__(self, reader_tid: int, relist_every: int = 10) -> None:
+    def __init__(self, reader_tid: int, relist_every: int = 10, *, skip_clocks_when_busy: bool = True) -> None:
         self._reader = reader_tid
         self._relist_every = relist_every
         self._calls = 0
         self._python_threads = -1  # threading.active_count() at the last relist
+        self._skip_clocks_when_busy = skip_clocks_when_busy
+        self._busy = False  # the last reading found a third of the threads or fewer parked: skip the clocks
+        self._tasks_fd, self._thread_count_holds = _open_thread_count()
         self._fds: dict[int, int] = {}
         self._clocks: dict[int, int] = {}  # thread: its CPU clock's id, for every thread in _fds
         self._last_clock: dict[int, int] = {}  # thread: its CPU clock at its last read
@@ -190,32 +222,38 @@ class ProcessSchedTotals:
 
     def _read_totals_ms(self) -> tuple[float, float]:
         python_threads = threading.active_count()
-        every_thread = python_threads != self._python_threads or self._calls % self._relist_every == 0
-        if every_thread:
+        every_thread = self._calls % self._relist_every == 0
+        if python_threads != self._python_threads or (every_thread and not self._same_threads()):
             self._python_threads = python_threads
             self._relist()
+            every_thread = True
         self._calls += 1
         # (one pass a thread, at every contended wake-up under load: no tuples, no max(), one copy of the line)
         pread: Any = self._pread
         clock_ns, buf, reader, fds = self._clock_ns, self._buf, self._reader, self._fds
         last_clock, last_cpu, last_run_queue = self._last_clock, self._last_cpu, self._last_run_queue
         cpu_ns, run_queue_ns = self._cpu_ns, self._run_queue_ns
+        check_clocks = not (every_thread or self._busy)
+        parked = 0
         for tid, clock in list(self._clocks.items()):
-            try:
-                now = clock_ns(clock)
-            except OSError:  # gone
-                self._forget(tid)
-                continue
-            before = last_clock.get(tid, -1)
-            if now <= before and not every_thread:
-                if now < before:  # a new thread with a gone one's TID: the next relist opens its file
+            if check_clocks:
+                try:
+                    now = clock_ns(clock)
+                except OSError:  # gone
                     self._forget(tid)
-                    self._python_threads = -1
-                continue  # not scheduled in since the last read: its counts are as they were
-            last_clock[tid] = now
-            n = pread(fds[tid], buf, 64, 0)
-            if n <= 0:
+                    continue
+                before = last_clock.get(tid, -1)
+                if now <= before:
+                    parked += 1
+                    if now < before:  # a new thread with a gone one's TID: the next relist opens its file
+                        self._forget(tid)
+                        self._python_threads = -1
+                    continue  # not scheduled in since the last read: its counts are as they were
+                last_clock[tid] = now
+            n = pread(fds[tid], buf, LINE_SIZE, FROM_START)
+            if n <= 0:  # gone (a reused TID is another task: its old file reads nothing)
                 self._forget(tid)
+                self._python_threads = -1
                 continue
             fields = buf[:n].split(None, 2)  # type: ignore[attr-defined]  # a c_char array's slice is bytes
             try:
@@ -226,14 +264,31 @@ class ProcessSchedTotals:
             grew = cpu - last_cpu.get(tid, 0)
             if grew > 0:
                 cpu_ns += grew
+            elif grew < 0:  # counts never fall: another thread with the TID, read afresh after a relist
+                self._forget(tid)
+                self._python_threads = -1
+                continue
+            else:  # its count as it was: parked (or on the CPU for less than a tick), for the next choice
+                parked += 1
             last_cpu[tid] = cpu
             if tid != reader:
                 grew = rq - last_run_queue.get(tid, 0)
                 if grew > 0:
                     run_queue_ns += grew
                 last_run_queue[tid] = rq
+        self._busy = self._skip_clocks_when_busy and parked * 3 <= len(fds)
         self._cpu_ns, self._run_queue_ns = cpu_ns, run_queue_ns
         return run_queue_ns / 1e6, cpu_ns / 1e6
+
+    def _same_threads(self) -> bool:
+        """Whether the kernel counts as many threads in the process as the list holds (where that count can be
+        trusted; else False, and the directory is listed)."""
+        if not self._thread_count_holds:
+            return False
+        try:
+            return os.fstat(self._tasks_fd).st_nlink - 2 == len(self._fds)
+        except OSError:
+            return False
 
     def _relist(self) -> None:
         try:
@@ -265,3 +320,9 @@ class ProcessSchedTotals:
         with self._lock:
             for tid in list(self._fds):
                 self._forget(tid)
+            fd, self._tasks_fd, self._thread_count_holds = self._tasks_fd, -1, False
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass

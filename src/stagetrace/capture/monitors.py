@@ -91,7 +91,7 @@ class GilPressureMonitor:
         self._totals_lock = threading.Lock()  # a reading and its samples, in order, from either thread
         self.wake = threading.Event()
         self._in_flight = in_flight
-        self._stop = threading.Event()
+        self._stopping = False  # (a plain attribute: the loop reads it at every wake-up, with no call)
         self._thread: threading.Thread | None = None
         self._pid = 0
         self.idle_waits = 0  # times the thread went to sleep with nothing in flight
@@ -103,7 +103,7 @@ class GilPressureMonitor:
         if self._thread is not None and self._pid == os.getpid():
             return
         self._pid = os.getpid()
-        self._stop.clear()
+        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="stagetrace-gil", daemon=True)
         self._thread.start()
 
@@ -118,7 +118,7 @@ class GilPressureMonitor:
         reading = own.read if own is not None else None
         process = ProcessSchedTotals(threading.get_native_id()) if own is not None else None
         self._process = process if process is not None and process.available else None
-        in_flight, wake, stopping = self._in_flight, self.wake, self._stop.is_set
+        in_flight, wake = self._in_flight, self.wake
         add_gil_wait, add_run_queue = self.series.put, self.run_queue.put
         perf_ns, time_ns, sleep, every = _perf_ns, time.time_ns, _sleep, PROCESS_READ_EVERY
         # Each wake-up's lag runs from the end of the previous one, so that it also counts the GIL waits of
@@ -126,7 +126,7 @@ class GilPressureMonitor:
         # lag timed from just before the sleep would leave those stretches (tens of ms) in no sample.
         rq0, slices0, t0, unread = 0, None, 0, every
         try:
-            while not stopping():
+            while not self._stopping:
                 if in_flight is not None and not in_flight():
                     if t0 and self._process is not None:
                         # the first wake-up with nothing in flight: a reading just after the last trace's end, so that
@@ -189,7 +189,7 @@ class GilPressureMonitor:
         """Whether the readings so far reach ``epoch_ns`` (always, with the thread not running): a trace that
         ended then can be judged on them. A sampler held back by the GIL reports its wait only once through."""
         thread = self._thread
-        if thread is None or self._pid != os.getpid() or self._stop.is_set() or not thread.is_alive():
+        if thread is None or self._pid != os.getpid() or self._stopping or not thread.is_alive():
             return True
         return self.last_wake_ns >= epoch_ns
 
@@ -211,7 +211,7 @@ class GilPressureMonitor:
                 self.in_flight.put((now, self._in_flight()))
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping = True
         self.wake.set()
 
 

@@ -32,6 +32,11 @@ class TraceRegistry:
     def __len__(self) -> int:
         return len(self._traces)
 
+    def count_function(self) -> Callable[[], int]:
+        """The bound ``dict.__len__``, for the GIL monitor's check at each wake-up: no Python frame, where
+        ``len(registry)`` runs this class's ``__len__``; valid for the same reason as ``lookup_function``'s."""
+        return self._traces.__len__
+
     def lookup_function(self) -> Callable[[int], TraceRecord | None]:
         """The bound ``dict.get`` for the hot path; stays valid because the dict is never replaced."""
         return self._traces.get
