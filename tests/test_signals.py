@@ -332,11 +332,21 @@ def test_the_kernel_counts_the_process_threads_for_the_totals_and_a_thread_start
 
     if not os.path.exists("/proc/thread-self/schedstat"):
         pytest.skip("needs Linux schedstat")
+    parked = threading.Event()
+    beside = threading.Thread(target=parked.wait, args=(30,), daemon=True)  # (a count is only trusted with two)
+    beside.start()
     fd, holds = _open_thread_count()
     os.close(fd)
     assert holds, "/proc/self/task's link count is no longer the threads + 2: the totals list every reading"
     reader = ProcessSchedTotals(threading.get_native_id(), relist_every=1)
+    relists = []
+    listing = reader._relist
+    reader._relist = lambda: (relists.append(1), listing())  # type: ignore[method-assign]
     _, before = reader.totals_ms()
+    for _ in range(10):  # no thread started or ended: the kernel's count says so, nothing is listed again
+        reader.totals_ms()
+    assert len(relists) <= 3, relists  # the first; any thread another test left ending meanwhile
+    relists.clear()
     python_threads = threading.active_count()
     done, stop = threading.Event(), threading.Event()
 
@@ -353,9 +363,36 @@ def test_the_kernel_counts_the_process_threads_for_the_totals_and_a_thread_start
         _, after = reader.totals_ms()
     finally:
         stop.set()
-    assert after - before >= 45.0
+    assert after - before >= 45.0 and relists  # found by the count, the Python threads unchanged
+    parked.set()
     reader.close()
-    assert reader._tasks_fd == -1
+    assert reader._tasks_fd == -1 and reader._fds == {}
+    assert reader.totals_ms() == reader.totals_ms() and reader._fds == {}  # after close: the last totals, no files
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not os.path.exists("/proc/thread-self/schedstat"), reason="Linux")
+def test_a_forked_child_drops_the_parents_reader_of_the_totals():
+    """The reader holds the parent's threads' files: in a child, the helper's reading before the child's own
+    sampler starts would sum the parent's threads. The child drops it (and its files); the parent keeps its."""
+    from stagetrace.capture.monitors import GilPressureMonitor
+
+    sampler = GilPressureMonitor(0.005, in_flight=lambda: 1)
+    sampler.ensure_running()
+    try:
+        deadline = time.monotonic() + 10
+        while sampler._process is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        parents = sampler._process
+        assert parents is not None
+        pid = os.fork()
+        if pid == 0:  # the child: exit at once with what it found
+            ok = sampler._process is None and parents._closed and parents._fds == {}
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert sampler._process is parents and not parents._closed and parents._fds
+    finally:
+        sampler.stop()
 
 
 def test_a_threads_cpu_clock_is_built_from_its_tid_as_the_c_library_builds_it():

@@ -63,7 +63,9 @@ def _gil_holding_pread() -> Any:
 
 
 LINE_SIZE = ctypes.c_size_t(64)  # a schedstat line is three decimal counts: 64 bytes hold it
-FROM_START = ctypes.c_long(0)  # off_t: a C long wherever glibc's and musl's ``pread`` take it
+# off_t as a C long: so it is on 64-bit Linux (glibc and musl) and for 32-bit glibc's ``pread``; 32-bit musl's
+# off_t is 64 bits, where a read at a wrong offset returns nothing and the readings are left out, as before.
+FROM_START = ctypes.c_long(0)
 
 
 class CpuSignals:
@@ -136,21 +138,29 @@ def _thread_cpu_clocks_hold() -> bool:
     return clock == thread_cpu_clock(threading.get_native_id())
 
 
-def _open_thread_count() -> tuple[int, bool]:
+def _open_thread_count(tries: int = 5) -> tuple[int, bool]:
     """``/proc/self/task`` opened, and whether its link count is the process's threads + 2 (Linux sets it so
     in ``proc_task_getattr``): checked against a listing of the directory, taken between two counts that
-    agree (a thread starting or ending meanwhile leaves it unchecked: listed every time instead)."""
+    agree, up to ``tries`` times (a thread starting or ending meanwhile spoils a try; where every try is
+    spoiled, a later relist whose listing agrees settles it, ``ProcessSchedTotals._relist``)."""
     try:
         fd = os.open(_TASKS, os.O_RDONLY | os.O_DIRECTORY)
     except (OSError, AttributeError):
         return -1, False
-    try:
-        before = os.fstat(fd).st_nlink
-        listed = len(os.listdir(_TASKS))
-        holds = before == os.fstat(fd).st_nlink == listed + 2
-    except OSError:
-        holds = False
-    return fd, holds
+    for _ in range(tries):
+        try:
+            count_before = os.fstat(fd).st_nlink
+            if _count_matches_listing(fd, len(os.listdir(_TASKS)), count_before):
+                return fd, True
+        except OSError:
+            break
+    return fd, False
+
+
+def _count_matches_listing(fd: int, listed: int, count_before: int) -> bool:
+    """Whether the link count read before a listing and after it both equal the listing's threads + 2, for a
+    process with more than one thread (a count that did not follow the threads would still match one)."""
+    return listed > 1 and count_before == os.fstat(fd).st_nlink == listed + 2
 
 
 class ProcessSchedTotals:
@@ -202,6 +212,7 @@ class ProcessSchedTotals:
         self._skip_clocks_when_busy = skip_clocks_when_busy
         self._busy = False  # the last reading found a third of the threads or fewer parked: skip the clocks
         self._tasks_fd, self._thread_count_holds = _open_thread_count()
+        self._closed = False
         self._fds: dict[int, int] = {}
         self._clocks: dict[int, int] = {}  # thread: its CPU clock's id, for every thread in _fds
         self._last_clock: dict[int, int] = {}  # thread: its CPU clock at its last read
@@ -216,8 +227,11 @@ class ProcessSchedTotals:
         self.available = self._pread is not None and os.path.isdir(_TASKS) and _thread_cpu_clocks_hold()
 
     def totals_ms(self) -> tuple[float, float]:
-        """(the other threads' run-queue wait, every thread's on-CPU time), cumulative ms."""
+        """(the other threads' run-queue wait, every thread's on-CPU time), cumulative ms; after ``close()``, the
+        last totals (a reading then would reopen files nobody closes)."""
         with self._lock:
+            if self._closed:
+                return self._run_queue_ns / 1e6, self._cpu_ns / 1e6
             return self._read_totals_ms()
 
     def _read_totals_ms(self) -> tuple[float, float]:
@@ -291,10 +305,20 @@ class ProcessSchedTotals:
             return False
 
     def _relist(self) -> None:
+        settle = not self._thread_count_holds and self._tasks_fd >= 0
+        try:
+            count_before = os.fstat(self._tasks_fd).st_nlink if settle else -1
+        except OSError:
+            settle = False
         try:
             tids = {int(name) for name in os.listdir(_TASKS)}
         except (OSError, ValueError):
             return
+        if settle:
+            try:
+                self._thread_count_holds = _count_matches_listing(self._tasks_fd, len(tids), count_before)
+            except OSError:
+                pass
         for tid in set(self._fds) - tids:
             self._forget(tid)
         for tid in tids - set(self._fds):
@@ -318,11 +342,21 @@ class ProcessSchedTotals:
 
     def close(self) -> None:
         with self._lock:
-            for tid in list(self._fds):
-                self._forget(tid)
-            fd, self._tasks_fd, self._thread_count_holds = self._tasks_fd, -1, False
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            self._close_files()
+
+    def abandon(self) -> None:
+        """In a forked child: its files, the parent's threads', closed without the lock, which a thread that
+        is not in the child may have held at the fork."""
+        self._lock = threading.Lock()
+        self._close_files()
+
+    def _close_files(self) -> None:
+        self._closed = True
+        for tid in list(self._fds):
+            self._forget(tid)
+        fd, self._tasks_fd, self._thread_count_holds = self._tasks_fd, -1, False
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -18,6 +18,7 @@ import asyncio
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -98,6 +99,7 @@ class GilPressureMonitor:
         self.process_reads = 0  # readings of the process's totals taken at wake-ups
         self.wakeups = 0  # wake-ups with a trace in flight (each a sample)
         self.last_wake_ns = 0  # epoch ns of the last wake-up, or of going idle (every trace ended by then)
+        _MONITORS.add(self)
 
     def ensure_running(self) -> None:
         if self._thread is not None and self._pid == os.getpid():
@@ -213,6 +215,27 @@ class GilPressureMonitor:
     def stop(self) -> None:
         self._stopping = True
         self.wake.set()
+
+    def _after_fork_in_child(self) -> None:
+        """The parent's reader of the totals holds the parent's threads' files: a reading in the child (the
+        helper's, before the child's sampler starts and makes its own) would sum the parent's threads. It is
+        dropped and its files closed; the lock a thread not in the child may have held is replaced."""
+        process, self._process = self._process, None
+        self._totals_lock = threading.Lock()
+        if process is not None:
+            process.abandon()
+
+
+_MONITORS: weakref.WeakSet[GilPressureMonitor] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for monitor in list(_MONITORS):
+        monitor._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class LoopLagMonitor:
