@@ -231,7 +231,10 @@ _MONITORS: weakref.WeakSet[GilPressureMonitor] = weakref.WeakSet()
 
 def _after_fork_in_child() -> None:
     for monitor in list(_MONITORS):
-        monitor._after_fork_in_child()
+        try:
+            monitor._after_fork_in_child()
+        except Exception:  # the child goes on; its monitor starts afresh on first use
+            report_internal_error("GIL pressure monitor after fork")
 
 
 if hasattr(os, "register_at_fork"):
