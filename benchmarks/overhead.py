@@ -16,6 +16,8 @@ CPU time, which is steadier than wall time on a shared VM.
 ``--instructions`` counts CPU instructions instead (valgrind's callgrind, one count per thread and per
 process), which move well under 1 % between runs where CPU times move 20 %: each variant runs a root and
 five children N and 2N times, so start-up cancels, and once more with no children, so the root cancels.
+"stages of 0.6 ms": stages long enough to read their thread's schedstat at entry and exit (shorter ones read
+the thread's CPU clock), each asleep for the 0.6 ms (a call, counted with the stage).
 Counted apart: the request thread, the application's other threads (the helper thread: packing and the
 pipe; the GIL monitor is off, since it wakes on wall time, which valgrind stretches) and the exporter
 process (analysis, metrics, spans and OTLP encoding of every trace, sent to a sink that drops them).
@@ -112,10 +114,15 @@ def encode_one_span_us(sample: int = 4096) -> float:
 # --- instruction counts (--instructions) ------------------------------------------------------------------
 
 CHILDREN = 5
+LONG_STAGE_S = 0.0006  # past CPU_ACCOUNTING_MIN_MS (0.5 ms): the stage reads schedstat
 INSTRUCTION_VARIANTS = {
     # name: (label, children are stages or spans, STAGETRACE_LIGHT_SPANS)
     "sdk": ("OTel SDK: root + spans, BatchSpanProcessor, no-op exporter", "spans", None),
     "stages": ("stagetrace: root + stages", "stages", "on"),
+    # A stage of 0.5 ms or more (here 0.6 ms asleep) also reads its thread's schedstat at entry and exit, where
+    # a shorter one reads the thread's CPU clock: the counted difference is the stage's own, the sleep costs
+    # a call.
+    "stages-long": ("stagetrace: root + stages of 0.6 ms (schedstat read)", "stages-long", "on"),
     "light": ("stagetrace: root + other instrumentations' spans (light spans)", "spans", "on"),
     "sdk-spans": ("stagetrace: root + other instrumentations' spans, STAGETRACE_LIGHT_SPANS=off", "spans", "off"),
 }
@@ -168,6 +175,10 @@ def instruction_workload(variant: str, children: int, pipelines: int) -> None:
                 for st in stages:
                     with st:
                         pass
+            elif kind == "stages-long":
+                for st in stages:
+                    with st:
+                        time.sleep(LONG_STAGE_S)
             else:
                 for name in names:
                     with tracer.start_as_current_span(name):

@@ -185,6 +185,15 @@ def test_the_exporter_reads_the_other_threads_beside_the_stages_the_blocked_caus
         assert other.blocked_ms and other.others_runqueue_ms is None and other.others_cpu_ms is None
 
 
+def busy_then_parked(done: threading.Event, stop: threading.Event) -> None:
+    """A thread's body: 50 ms on a CPU, then ``done`` and parked until ``stop`` (its CPU in the next reading)."""
+    start = time.thread_time()
+    while time.thread_time() - start < 0.05:
+        pass
+    done.set()
+    stop.wait(10)
+
+
 def test_a_thread_started_between_two_readings_is_in_the_second():
     """A worker started for a request runs its stage at once: its CPU must be in the reading after it, or
     the stage's own CPU would be missing from the total the other threads' time is taken from."""
@@ -195,15 +204,7 @@ def test_a_thread_started_between_two_readings_is_in_the_second():
     reader = ProcessSchedTotals(threading.get_native_id(), relist_every=1000)
     _, before = reader.totals_ms()
     done, stop = threading.Event(), threading.Event()
-
-    def work() -> None:
-        start = time.thread_time()
-        while time.thread_time() - start < 0.05:
-            pass
-        done.set()
-        stop.wait(10)
-
-    worker = threading.Thread(target=work)
+    worker = threading.Thread(target=busy_then_parked, args=(done, stop))
     worker.start()
     try:
         assert done.wait(10)
@@ -349,15 +350,7 @@ def test_the_kernel_counts_the_process_threads_for_the_totals_and_a_thread_start
     relists.clear()
     python_threads = threading.active_count()
     done, stop = threading.Event(), threading.Event()
-
-    def work() -> None:
-        start = time.thread_time()
-        while time.thread_time() - start < 0.05:
-            pass
-        done.set()
-        stop.wait(10)
-
-    _thread.start_new_thread(work, ())
+    _thread.start_new_thread(busy_then_parked, (done, stop))
     try:
         assert done.wait(10) and threading.active_count() == python_threads  # unseen by threading
         _, after = reader.totals_ms()

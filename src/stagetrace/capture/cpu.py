@@ -52,10 +52,11 @@ def _gil_holding_pread() -> Any:
     around the syscall, so every stage boundary would offer the GIL to any waiting thread: a handoff per
     boundary under load (measured: ~6 us a stage in benchmarks/overhead.py, against ~2.5 us this way).
 
-    No ``argtypes``: each call would convert its four arguments through their types' ``from_param`` (0.7 us
-    a call warm, ~11 us cold, as every GIL monitor wake-up at saturation runs). Callers pass the fd as a
-    Python int (a C int) and the size and offset as the typed constants ``LINE_SIZE`` and ``FROM_START``;
-    the result, at most 64 here, fits the default C int return."""
+    No ``argtypes``: each call would convert its four arguments through their types' ``from_param``, 8.5 k
+    instructions a call where this takes 5.1 k (icount), 7.7 k fewer a stage long enough to read schedstat
+    (``benchmarks/overhead.py``'s counted "stages of 0.6 ms"). Callers pass the fd as a Python int (a C int)
+    and the size and offset as the typed constants ``LINE_SIZE`` and ``FROM_START``; the result, at most 64
+    here, fits the default C int return."""
     try:
         return ctypes.PyDLL(None)["pread"]
     except (OSError, AttributeError):
@@ -260,14 +261,12 @@ class ProcessSchedTotals:
                 if now <= before:
                     parked += 1
                     if now < before:  # a new thread with a gone one's TID: the next relist opens its file
-                        self._forget(tid)
-                        self._python_threads = -1
+                        self._forget(tid, relist=True)
                     continue  # not scheduled in since the last read: its counts are as they were
                 last_clock[tid] = now
             n = pread(fds[tid], buf, LINE_SIZE, FROM_START)
             if n <= 0:  # gone (a reused TID is another task: its old file reads nothing)
-                self._forget(tid)
-                self._python_threads = -1
+                self._forget(tid, relist=True)
                 continue
             fields = buf[:n].split(None, 2)  # type: ignore[attr-defined]  # a c_char array's slice is bytes
             try:
@@ -279,8 +278,7 @@ class ProcessSchedTotals:
             if grew > 0:
                 cpu_ns += grew
             elif grew < 0:  # counts never fall: another thread with the TID, read afresh after a relist
-                self._forget(tid)
-                self._python_threads = -1
+                self._forget(tid, relist=True)
                 continue
             else:  # its count as it was: parked (or on the CPU for less than a tick), for the next choice
                 parked += 1
@@ -328,7 +326,11 @@ class ProcessSchedTotals:
                 continue
             self._clocks[tid] = thread_cpu_clock(tid)
 
-    def _forget(self, tid: int) -> None:
+    def _forget(self, tid: int, *, relist: bool = False) -> None:
+        """A thread dropped with its file; ``relist``: gone or replaced by another with its TID, so the thread
+        list is read again at the next reading."""
+        if relist:
+            self._python_threads = -1
         fd = self._fds.pop(tid, None)
         self._clocks.pop(tid, None)
         self._last_clock.pop(tid, None)
